@@ -1,0 +1,29 @@
+"""The registry of named weight formats (presets are user-facing names)."""
+from __future__ import annotations
+
+from qtvm.errors import QtvmError
+from qtvm.formats.base import QuantFormat, QuantizedTensor
+from qtvm.formats.uniform import VALID_BITS, VALID_GROUPS, UniformFormat
+
+PRESETS: dict[str, QuantFormat] = {}
+
+
+def register(fmt: QuantFormat) -> QuantFormat:
+    PRESETS[fmt.name] = fmt
+    return fmt
+
+
+for _bits in VALID_BITS:
+    for _g in (*VALID_GROUPS, None):
+        register(UniformFormat(_bits, _g))
+
+
+def get_format(name: str) -> QuantFormat:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise QtvmError(f"unknown quant preset '{name}'",
+                        "run `qtvm formats` for the list (e.g. int4-g128)") from None
+
+
+__all__ = ["PRESETS", "QuantFormat", "QuantizedTensor", "UniformFormat", "get_format", "register"]

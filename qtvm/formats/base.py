@@ -1,0 +1,83 @@
+"""What every weight format provides, and the container for packed weights.
+
+A format owns packing, a numpy reference dequantizer and the TE expression of
+one weight; it never schedules. The matmul compute (``qtvm.ops``) combines the
+format's expressions with a storage layout that the target rule chooses.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from qtvm.errors import QtvmError
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Packed weights of one [K, N] matrix (K = input features, N = outputs).
+
+    ``arrays`` holds every stored array, in the order the kernel takes them;
+    column-major arrays have N as their last axis.
+    """
+
+    fmt: "QuantFormat"
+    k: int
+    n: int
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays.values()))
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Counted from the stored bytes (padding, scales, zeros included)."""
+        return 8.0 * self.nbytes / (self.k * self.n)
+
+    def dequantize(self) -> np.ndarray:
+        return self.fmt.dequantize_reference(self)
+
+
+# A function from a packed-word row index to the int32 word at the current column.
+WordLoader = Callable[[object], object]
+
+
+class QuantFormat(ABC):
+    """A weight format: bits, grouping and storage, validated at construction."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The preset name, e.g. ``int4-g128``."""
+
+    @abstractmethod
+    def quantize(self, w: np.ndarray) -> QuantizedTensor:
+        """Quantize a float [K, N] weight (K = reduction axis)."""
+
+    @abstractmethod
+    def dequantize_reference(self, qt: QuantizedTensor) -> np.ndarray:
+        """The float32 [K, N] matrix the kernel must multiply by."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """Format facts attached to the PrimFunc for schedule rules."""
+
+    def bits_per_weight_nominal(self) -> float:
+        """Bits per weight at a large K, for listings; reports count stored bytes."""
+        return float(self.describe()["bits"])
+
+
+def check_weight(w: np.ndarray, what: str = "weight") -> np.ndarray:
+    """Reject what no quantizer can represent, naming the tensor."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise QtvmError(f"{what} has shape {w.shape}; quantizers take a 2-D [K, N] matrix")
+    if w.size == 0:
+        raise QtvmError(f"{what} is empty (shape {w.shape})")
+    if not np.all(np.isfinite(w)):
+        bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
+        raise QtvmError(f"{what} contains {bad} NaN/Inf values", "clean the checkpoint before quantizing")
+    return w.astype(np.float32, copy=False)

@@ -1,0 +1,175 @@
+"""Uniform asymmetric b-bit weights, group-wise along K (GPTQ / QIGen layout).
+
+Storage, for a [K, N] weight with K padded to ``padded_k(K)``:
+  qweight [K_pad * b / 32, N] int32: values packed along K; for b in {2, 4, 8}
+          value j of a word sits at bits [b*j, b*j + b); for b = 3, 32 values
+          fill 3 consecutive words as one 96-bit little-endian field, so values
+          10 and 21 straddle word boundaries (QIGen's 3-bit layout).
+  scales  [G, N] float32, zeros [G, N] float32 (integer-valued zero points).
+  w[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import tirx
+
+from qtvm.errors import QtvmError
+from qtvm.formats.base import QuantFormat, QuantizedTensor, WordLoader, check_weight
+
+VALID_BITS = (2, 3, 4, 8)
+VALID_GROUPS = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class UniformFormat(QuantFormat):
+    bits: int = 4
+    group_size: int | None = 128  # None: one group per column ("-col")
+
+    def __post_init__(self):
+        if self.bits not in VALID_BITS:
+            raise QtvmError(f"uniform format cannot pack {self.bits}-bit values",
+                            f"valid bits: {', '.join(map(str, VALID_BITS))}")
+        if self.group_size is not None and self.group_size not in VALID_GROUPS:
+            raise QtvmError(f"uniform format cannot use group size {self.group_size}",
+                            f"valid group sizes: {', '.join(map(str, VALID_GROUPS))} or full column")
+
+    # -- layout facts -------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}-" + ("col" if self.group_size is None else f"g{self.group_size}")
+
+    @property
+    def values_per_block(self) -> int:
+        """Values in one indivisible run of words (3 words for 3-bit)."""
+        return 32 if self.bits == 3 else 32 // self.bits
+
+    @property
+    def words_per_block(self) -> int:
+        return 3 if self.bits == 3 else 1
+
+    @property
+    def qmax(self) -> int:
+        return (1 << self.bits) - 1
+
+    def padded_k(self, k: int) -> int:
+        unit = self.values_per_block
+        if self.group_size is not None:
+            unit = math.lcm(unit, self.group_size)
+        return -(-k // unit) * unit
+
+    def group_size_for(self, k: int) -> int:
+        return self.padded_k(k) if self.group_size is None else self.group_size
+
+    def num_groups(self, k: int) -> int:
+        return self.padded_k(k) // self.group_size_for(k)
+
+    def word_rows(self, k: int) -> int:
+        return self.padded_k(k) // self.values_per_block * self.words_per_block
+
+    def array_rows(self, k: int) -> dict[str, int]:
+        """Rows of each stored [rows, N] array, in kernel argument order."""
+        g = self.num_groups(k)
+        return {"qweight": self.word_rows(k), "scales": g, "zeros": g}
+
+    def describe(self) -> dict:
+        return {"family": "uniform", "bits": self.bits, "group_size": self.group_size or 0,
+                "storage": "int32", "zeros": "float32"}
+
+    def bits_per_weight_nominal(self) -> float:
+        g = self.group_size or 4096
+        return self.bits + 64.0 / g
+
+    # -- numpy side -----------------------------------------------------------
+    def quantize(self, w: np.ndarray, name: str = "weight") -> QuantizedTensor:
+        """Round-to-nearest; the range always covers 0 so zeros stay exact."""
+        w = check_weight(w, name)
+        k, n = w.shape
+        kp, gs = self.padded_k(k), self.group_size_for(k)
+        wp = np.zeros((kp, n), np.float32)
+        wp[:k] = w
+        grouped = wp.reshape(kp // gs, gs, n)
+        wmin = np.minimum(grouped.min(axis=1), 0.0)
+        wmax = np.maximum(grouped.max(axis=1), 0.0)
+        scales = ((wmax - wmin) / self.qmax).astype(np.float32)
+        scales[scales == 0] = 1.0  # an all-zero group: any scale reproduces it
+        zeros = np.clip(np.round(-wmin / scales), 0, self.qmax).astype(np.float32)
+        codes = np.clip(np.round(grouped / scales[:, None, :]) + zeros[:, None, :], 0, self.qmax)
+        codes = codes.reshape(kp, n).astype(np.uint32)
+        return QuantizedTensor(self, k, n, {"qweight": self.pack(codes), "scales": scales, "zeros": zeros})
+
+    def pack(self, codes: np.ndarray) -> np.ndarray:
+        """[K_pad, N] codes -> [word rows, N] int32."""
+        kp, n = codes.shape
+        codes = codes.astype(np.uint64)
+        if self.bits != 3:
+            vpw = self.values_per_block
+            shifts = (self.bits * np.arange(vpw, dtype=np.uint64))[None, :, None]
+            words = (codes.reshape(kp // vpw, vpw, n) << shifts).sum(axis=1)
+            return words.astype(np.uint32).view(np.int32)
+        blocks = codes.reshape(kp // 32, 32, n)
+        words = np.zeros((kp // 32, 3, n), np.uint64)
+        for j in range(32):
+            word, shift = divmod(3 * j, 32)
+            words[:, word] |= (blocks[:, j] << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
+            if shift > 29:  # the value's high bits continue in the next word
+                words[:, word + 1] |= blocks[:, j] >> np.uint64(32 - shift)
+        return words.reshape(kp // 32 * 3, n).astype(np.uint32).view(np.int32)
+
+    def unpack(self, words: np.ndarray, kp: int) -> np.ndarray:
+        """[word rows, N] int32 -> [K_pad, N] codes (uint32)."""
+        w = words.view(np.uint32).astype(np.uint64)
+        n = w.shape[1]
+        if self.bits != 3:
+            vpw = self.values_per_block
+            shifts = (self.bits * np.arange(vpw, dtype=np.uint64))[None, :, None]
+            return ((w[:, None, :] >> shifts) & np.uint64(self.qmax)).reshape(kp, n).astype(np.uint32)
+        bits96 = w.reshape(kp // 32, 3, n)
+        field = bits96[:, 0] | (bits96[:, 1] << np.uint64(32))  # low 64 bits
+        out = np.empty((kp // 32, 32, n), np.uint64)
+        for j in range(32):
+            off = 3 * j
+            if off + 3 <= 64:
+                out[:, j] = (field >> np.uint64(off)) & np.uint64(7)
+            elif off >= 64:
+                out[:, j] = (bits96[:, 2] >> np.uint64(off - 64)) & np.uint64(7)
+            else:  # value 21 straddles the 64-bit boundary
+                out[:, j] = ((field >> np.uint64(off)) | (bits96[:, 2] << np.uint64(64 - off))) & np.uint64(7)
+        return out.reshape(kp, n).astype(np.uint32)
+
+    def dequantize_reference(self, qt: QuantizedTensor) -> np.ndarray:
+        kp, gs = self.padded_k(qt.k), self.group_size_for(qt.k)
+        codes = self.unpack(qt.arrays["qweight"], kp).astype(np.float64)
+        scales = np.repeat(qt.arrays["scales"].astype(np.float64), gs, axis=0)
+        zeros = np.repeat(qt.arrays["zeros"].astype(np.float64), gs, axis=0)
+        return ((codes - zeros) * scales)[: qt.k].astype(np.float32)
+
+    # -- TE side ----------------------------------------------------------------
+    def te_decode(self, word: WordLoader, k):
+        """The integer code of weight row ``k`` as float32 (before scale and zero)."""
+        return self._te_code(word, k).astype("float32")
+
+    def _te_code(self, word: WordLoader, k):
+        mask = tirx.const(self.qmax, "int32")
+        if self.bits != 3:
+            vpw = self.values_per_block
+            shift = ((k % vpw) * self.bits).astype("int32")
+            return (word(k // vpw) >> shift) & mask
+        base, j = (k // 32) * 3, k % 32
+        off = (j * 3).astype("int32")
+        word_index = off // 32
+        shift = off % 32
+        # Branch-free: logical shifts (uint32), and the next word's shift is
+        # >= 3 (so it contributes nothing) unless the value straddles words
+        # (values 10 and 21). Every shift amount stays in [0, 31] for all j.
+        lo = word(base + word_index).astype("uint32")
+        hi = word(base + tirx.min(word_index + 1, 2)).astype("uint32")
+        code = ((lo >> shift.astype("uint32")) | (hi << tirx.min(32 - shift, 31).astype("uint32")))
+        return (code & tirx.const(7, "uint32")).astype("int32")
+
+    def te_group_affine(self, load):
+        """(scale, offset) of the group: w = scale * decode + offset."""
+        s = load("scales")
+        return s, -load("zeros") * s
