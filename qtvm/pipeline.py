@@ -1,0 +1,97 @@
+"""compile(): ONNX file -> one exported shared library (weights inside)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from qtvm.errors import QtvmError
+from qtvm.formats import get_format
+from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize
+from qtvm.target import cpu_flags_required, parse_target
+
+METADATA_FUNC = "qtvm_metadata"
+FLOAT = "none"  # --quant none: compile the float model through the same pipeline
+
+
+@dataclass
+class CompileResult:
+    path: Path
+    metadata: dict
+    summary: OnnxSummary
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def check_output_path(out: str | os.PathLike) -> Path:
+    """Fail before compiling, not after, when the artefact cannot be written."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise QtvmError(f"output path '{out}' is a directory", "give a file name such as model.so")
+    if not parent.is_dir():
+        raise QtvmError(f"output directory '{parent}' does not exist", "create it first")
+    if not os.access(parent, os.W_OK):
+        raise QtvmError(f"output directory '{parent}' is not writable", "choose another -o path")
+    return out
+
+
+def _metadata_function(meta: dict) -> relax.Function:
+    """The artefact describes itself: a function returning its metadata as bytes."""
+    data = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    return relax.Function([], relax.const(data), relax.TensorType([len(data)], "uint8"))
+
+
+def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128"):
+    """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export."""
+    from relay_passes.quantize_weights import quantize_weights
+    from relay_passes.safe_gather import safe_gather
+
+    target = parse_target(target) if isinstance(target, str) else target
+    fmt = None if quant == FLOAT else get_format(quant)
+    model = load_onnx(model_path)
+    summary = summarize(model)
+    mod = safe_gather(import_onnx(model))
+    notes = []
+    meta = {
+        "format": quant,
+        "target": str(target),
+        "required_cpu_flags": cpu_flags_required(target),
+        "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
+        "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.outputs],
+    }
+    if fmt is not None:
+        mod, report = quantize_weights(mod, fmt, target)
+        meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
+                    float_weight_bytes=report.float_bytes)
+        if summary.float_matmuls:
+            notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
+                         f"constant ({', '.join(summary.float_matmuls[:4])}"
+                         f"{', ...' if len(summary.float_matmuls) > 4 else ''})")
+    mod[METADATA_FUNC] = _metadata_function(meta)
+    return mod, meta, summary, notes
+
+
+def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128") -> CompileResult:
+    """Compile and export atomically: ``out`` is either complete or untouched."""
+    start = time.perf_counter()
+    out = check_output_path(out)
+    target = parse_target(target) if isinstance(target, str) else target
+    mod, meta, summary, notes = build_module(model_path, target, quant)
+    ex = tvm.compile(mod, target=target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
+    os.close(fd)
+    try:
+        ex.export_library(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return CompileResult(out, meta, summary, time.perf_counter() - start, notes)

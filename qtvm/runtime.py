@@ -1,0 +1,112 @@
+"""Thin runtime: load an artefact and run it, with only libtvm_runtime loaded.
+
+Importing this module before ``tvm`` sets TVM_USE_RUNTIME_LIB=1, so a
+deployment process never maps the compiler library. The API is user-facing:
+
+    m = qtvm.runtime.load("model.so")
+    m.inputs, m.outputs          # [{name, dtype, shape}], symbolic dims by name
+    outs = m.run({"input_ids": ids})   # {output name: numpy array}
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+
+import numpy as np  # noqa: E402
+
+from qtvm.errors import QtvmError  # noqa: E402
+
+METADATA_FUNC = "qtvm_metadata"
+
+
+def _host_cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+class Module:
+    def __init__(self, path: str | os.PathLike):
+        import tvm.runtime
+        from tvm.runtime.vm import VirtualMachine
+
+        path = Path(path)
+        if not path.is_file():
+            raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
+        try:
+            lib = tvm.runtime.load_module(str(path))
+        except Exception:
+            raise QtvmError(f"'{path}' is not a loadable qtvm artefact", "recompile it with `qtvm compile`") from None
+        self._vm = VirtualMachine(lib, tvm.cpu())
+        try:
+            raw = self._vm[METADATA_FUNC]().numpy().tobytes()
+        except Exception:
+            raise QtvmError(f"'{path}' has no qtvm metadata (not built by qtvm?)", "recompile it with `qtvm compile`") from None
+        self.metadata = json.loads(raw)
+        missing = sorted(set(self.metadata.get("required_cpu_flags", [])) - _host_cpu_flags())
+        if missing:
+            raise QtvmError(f"'{path}' was built for {self.metadata['target']} and needs CPU features "
+                            f"{', '.join(missing)} that this CPU lacks",
+                            "recompile with --target host")
+        self._tensor = tvm.runtime.tensor
+        self._main = self._vm["main"]
+
+    @property
+    def inputs(self) -> list[dict]:
+        return self.metadata["inputs"]
+
+    @property
+    def outputs(self) -> list[dict]:
+        return self.metadata["outputs"]
+
+    def check_inputs(self, feeds: dict) -> list[np.ndarray]:
+        """Names, dtypes, ranks and symbolic dims consistent; arrays in input order."""
+        names = [i["name"] for i in self.inputs]
+        unknown = sorted(set(feeds) - set(names))
+        missing = [n for n in names if n not in feeds]
+        if unknown or missing:
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
+                    ([f"unknown {', '.join(unknown)}"] if unknown else [])
+            raise QtvmError(f"wrong inputs: {'; '.join(parts)}", f"the model takes {', '.join(names)}")
+        bound: dict[str, tuple[int, str]] = {}
+        arrays = []
+        for spec in self.inputs:
+            name, a = spec["name"], np.asarray(feeds[spec["name"]])
+            if a.dtype != np.dtype(spec["dtype"]):
+                raise QtvmError(f"input '{name}' has dtype {a.dtype}, expected {spec['dtype']}",
+                                f"convert it with .astype('{spec['dtype']}')")
+            dims = spec["shape"]
+            if a.ndim != len(dims):
+                raise QtvmError(f"input '{name}' has rank {a.ndim} (shape {list(a.shape)}), expected "
+                                f"rank {len(dims)} {dims}")
+            for axis, (size, dim) in enumerate(zip(a.shape, dims)):
+                if isinstance(dim, int) and size != dim:
+                    raise QtvmError(f"input '{name}' has size {size} on axis {axis}, expected {dim} "
+                                    f"(shape {dims})")
+                if isinstance(dim, str) and dim != "?":
+                    if size < 1:
+                        raise QtvmError(f"input '{name}' has size {size} on axis {axis} ('{dim}'); sizes must be >= 1")
+                    first = bound.setdefault(dim, (size, name))
+                    if first[0] != size:
+                        raise QtvmError(f"dimension '{dim}' is {first[0]} in input '{first[1]}' but {size} in "
+                                        f"input '{name}'", "inputs that share a dimension name must agree")
+            arrays.append(np.ascontiguousarray(a))
+        return arrays
+
+    def run(self, feeds: dict) -> dict[str, np.ndarray]:
+        arrays = self.check_inputs(feeds)
+        result = self._main(*[self._tensor(a) for a in arrays])
+        values = list(result) if isinstance(result, (list, tuple)) or hasattr(result, "__len__") and not hasattr(result, "numpy") else [result]
+        return {spec["name"]: v.numpy() for spec, v in zip(self.outputs, values)}
+
+
+def load(path: str | os.PathLike) -> Module:
+    return Module(path)

@@ -1,0 +1,101 @@
+"""Target strings as users type them -> ``tvm.target.Target``.
+
+TVM 0.27 only takes dict targets; users (and every TVM tutorial) write
+``llvm -mcpu=znver2 -mattr=+avx2,+fma -num-cores=4``. Both forms, and JSON,
+are accepted here.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+
+import tvm
+from tvm.target import codegen
+
+from qtvm.errors import QtvmError
+
+KINDS = ("llvm", "cuda", "opencl")
+LIST_OPTIONS = {"mattr", "keys", "libs", "cl-opt"}
+INT_OPTIONS = {"num-cores", "max_num_threads", "thread_warp_size", "max_threads_per_block",
+               "max_shared_memory_per_block", "opt-level"}
+HOST_ALIASES = ("host", "native")
+
+
+def host_cpu() -> str:
+    return str(codegen.llvm_get_system_cpu())
+
+
+def parse_target_dict(text: str) -> dict:
+    """``llvm -mcpu=x -mattr=+a,+b`` (or JSON, or ``host``) -> a target dict."""
+    text = text.strip()
+    if not text:
+        raise QtvmError("empty target", "try --target host or --target 'llvm -mcpu=znver2'")
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise QtvmError(f"target JSON does not parse ({e.msg})") from None
+    words = shlex.split(text)
+    kind, options = words[0], words[1:]
+    if kind in HOST_ALIASES:
+        kind, options = "llvm", [f"-mcpu={host_cpu()}", *options]
+    if kind not in KINDS:
+        raise QtvmError(f"unknown target kind '{kind}'", f"use one of: {', '.join(KINDS)}, host")
+    out: dict = {"kind": kind}
+    for word in options:
+        if not word.startswith("-") or "=" not in word:
+            raise QtvmError(f"target option '{word}' is not of the form -key=value",
+                            "e.g. -mcpu=znver2 -mattr=+avx2,+fma")
+        key, value = word.lstrip("-").split("=", 1)
+        if key == "device" and kind == "opencl":
+            out.setdefault("keys", []).append(value)
+        if key in LIST_OPTIONS:
+            out[key] = [v for v in value.split(",") if v]
+        elif key in INT_OPTIONS:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise QtvmError(f"target option -{key} needs an integer, got '{value}'") from None
+        else:
+            out[key] = value
+    return out
+
+
+def parse_target(text: str) -> tvm.target.Target:
+    spec = parse_target_dict(text)
+    if spec["kind"] == "llvm" and "mcpu" in spec and not codegen.llvm_is_valid_cpu(spec["mcpu"], spec.get("mtriple", "x86_64-unknown-linux-gnu")):
+        raise QtvmError(f"LLVM does not know the CPU '{spec['mcpu']}'",
+                        "use an LLVM CPU name such as znver2, znver3, skylake-avx512, sapphirerapids, or host")
+    try:
+        return tvm.target.Target(spec)
+    except Exception as e:  # TVM reports bad attributes with a long C++ trace
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise QtvmError(f"invalid target {json.dumps(spec)}: {first}") from None
+
+
+def split_cli_target(argv: list[str]) -> list[str]:
+    """Join ``--target llvm -mcpu=x -mattr=y`` (unquoted) into one argument."""
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        out.append(word)
+        if word == "--target" and i + 1 < len(argv):
+            parts = [argv[i + 1]]
+            i += 2
+            while i < len(argv) and argv[i].startswith("-") and not argv[i].startswith("--") and "=" in argv[i]:
+                parts.append(argv[i])
+                i += 1
+            out.append(" ".join(parts))
+            continue
+        i += 1
+    return out
+
+
+def cpu_flags_required(target: tvm.target.Target) -> list[str]:
+    """/proc/cpuinfo flags the code built for this target needs (x86 only)."""
+    if target.kind.name != "llvm":
+        return []
+    wanted = {"avx512f": "avx512f", "avx2": "avx2", "fma": "fma", "avx512bw": "avx512bw",
+              "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
+    with target:
+        return sorted(flag for feat, flag in wanted.items() if codegen.llvm_cpu_has_features(feat, target))

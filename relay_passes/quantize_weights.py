@@ -1,0 +1,119 @@
+"""Relax pass: matmuls by constant weights -> packed low-bit kernels.
+
+Every ``relax.matmul(x, W)`` whose W is a 2-D float32 constant (directly, or
+through ``permute_dims`` as ONNX Gemm with transB=1 imports) becomes
+``reshape -> call_tir(qmatmul) -> reshape`` with W packed by the chosen format
+and re-laid out by the target rule. Matmuls by computed tensors stay in float.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from qtvm import ops
+from qtvm.formats import QuantFormat, QuantizedTensor
+from schedules import schedule_kernel
+
+MATMUL = tvm.ir.Op.get("relax.matmul")
+PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
+
+
+@dataclass
+class QuantizedMatmul:
+    k: int
+    n: int
+    qt: QuantizedTensor
+    float_bytes: int
+
+
+@dataclass
+class QuantizeReport:
+    layers: list[QuantizedMatmul] = field(default_factory=list)
+    float_matmuls: int = 0  # weight is computed at run time
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(layer.qt.nbytes for layer in self.layers)
+
+    @property
+    def float_bytes(self) -> int:
+        return sum(layer.float_bytes for layer in self.layers)
+
+
+def _constant_weight(expr, lookup) -> np.ndarray | None:
+    """The [K, N] float32 weight behind ``expr``, or None if it is computed."""
+    if isinstance(expr, relax.Var):
+        bound = lookup(expr)
+        if bound is None:
+            return None
+        expr = bound
+    if isinstance(expr, tvm.ir.expr.Constant):
+        w = expr.value.numpy()
+        return w if w.ndim == 2 and w.dtype == np.float32 else None
+    if isinstance(expr, relax.Call) and expr.op == PERMUTE:
+        inner = _constant_weight(expr.args[0], lookup)
+        axes = expr.attrs.axes
+        if inner is not None and (axes is None or [int(a) for a in axes] == [1, 0]):
+            return np.ascontiguousarray(inner.T)
+    return None
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod, fmt: QuantFormat, target: tvm.target.Target, report: QuantizeReport):
+        super().__init__(mod)
+        self.fmt, self.target, self.report = fmt, target, report
+        self.kernels: dict[tuple[int, int], tvm.ir.GlobalVar] = {}
+
+    def visit_call_(self, call):
+        call = self.visit_expr_post_order(call)
+        if call.op != MATMUL:
+            return call
+        w = _constant_weight(call.args[1], self.lookup_binding)
+        x = call.args[0]
+        if w is None or x.ty.dtype != "float32" or x.ty.ndim < 1:
+            self.report.float_matmuls += 1
+            return call
+        k, n = w.shape
+        qt = self.fmt.quantize(w)
+        self.report.layers.append(QuantizedMatmul(k, n, qt, w.nbytes))
+        return self._emit_qmatmul(x, qt)
+
+    def _kernel(self, k: int, n: int, nb: int) -> tvm.ir.GlobalVar:
+        if (k, n) not in self.kernels:
+            func = ops.qmatmul_func(self.fmt, k, n, nb)
+            name = f"qmatmul_{self.fmt.name.replace('-', '_')}_{k}x{n}"
+            func = schedule_kernel(func, self.target).with_attrs(
+                {"op_pattern": OPAQUE, "tir.is_scheduled": True, "global_symbol": name})
+            self.kernels[(k, n)] = self.builder_.add_func(func, name)
+        return self.kernels[(k, n)]
+
+    def _emit_qmatmul(self, x, qt: QuantizedTensor):
+        from schedules import column_block
+
+        nb = column_block(self.target)
+        shape = list(x.ty.shape.values)
+        lead = shape[:-1]
+        rows = tvm.tirx.const(1, "int64")
+        for d in lead:
+            rows = rows * d
+        x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([rows, qt.k])))
+        weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
+        y2 = self.builder_.emit(relax.op.call_tir(self._kernel(qt.k, qt.n, nb), relax.Tuple([x2, *weights]),
+                                                  relax.TensorType([rows, qt.n], "float32")))
+        return relax.op.reshape(y2, relax.ShapeExpr([*lead, qt.n]))
+
+
+def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat, target: tvm.target.Target) -> tuple[tvm.IRModule, QuantizeReport]:
+    """Rewrite every Relax function of ``mod``; returns the module and what was packed."""
+    report = QuantizeReport()
+    rewriter = _Rewriter(mod, fmt, target, report)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    return rewriter.builder_.get(), report
