@@ -30,7 +30,7 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> 
     unroll = _unpack_unroll(desc)
     sch = s_tir.Schedule(func)
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
-    part = sch.get_sblock(ops.BLOCK_PARTIAL)
+    parts = [sch.get_sblock(ops.partial_block(t)) for t in range(int(desc["terms"]))]
 
     i, j = sch.get_loops(out)
     jo, ji = sch.split(j, [None, nb])
@@ -42,15 +42,16 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> 
         sch.add_unit_loop(acc)  # one group: compute_at dropped the unit group loop
     acc_j, acc_g = sch.get_loops(acc)[-2:]
     sch.reorder(acc_g, acc_j)
-    sch.compute_at(part, acc_g)
-    sch.set_scope(part, 0, "local")
-    part_j, part_k = sch.get_loops(part)[-2:]
-    ko, ki = sch.split(part_k, [None, unroll])
-    sch.reorder(ko, ki, part_j)
-    sch.unroll(ki)
-    sch.vectorize(part_j)
+    for part in parts:
+        sch.compute_at(part, acc_g)
+        sch.set_scope(part, 0, "local")
+        part_j, part_k = sch.get_loops(part)[-2:]
+        ko, ki = sch.split(part_k, [None, unroll])
+        sch.reorder(ko, ki, part_j)
+        sch.unroll(ki)
+        sch.vectorize(part_j)
+        sch.decompose_reduction(part, ko)
     sch.vectorize(sch.get_loops(acc)[-1])
-    sch.decompose_reduction(part, ko)
     sch.decompose_reduction(acc, acc_g)
     sch.vectorize(sch.get_loops(out)[-1])
     return sch
@@ -58,5 +59,6 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> 
 
 def _unpack_unroll(desc) -> int:
     """Unroll K over one run of packed words so shifts become constants."""
-    bits = int(desc["bits"])
-    return 32 if bits == 3 else 32 // bits
+    values = int(desc.get("values_per_block", 8))
+    group = int(desc["group"])
+    return values if group % values == 0 else 1

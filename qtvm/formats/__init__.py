@@ -17,6 +17,10 @@ for _bits in VALID_BITS:
     for _g in (*VALID_GROUPS, None):
         register(UniformFormat(_bits, _g))
 
+# Each format family registers its presets here, one import line per family module
+# (the module calls ``register`` at import time).
+# -- families --
+
 
 def get_format(name: str) -> QuantFormat:
     try:

@@ -41,8 +41,8 @@ class QuantizedTensor:
         return self.fmt.dequantize_reference(self)
 
 
-# A function from a packed-word row index to the int32 word at the current column.
-WordLoader = Callable[[object], object]
+# load(array name, row) -> the stored element at the kernel's current column.
+ArrayLoader = Callable[[str, object], object]
 
 
 class QuantFormat(ABC):
@@ -68,6 +68,31 @@ class QuantFormat(ABC):
     def bits_per_weight_nominal(self) -> float:
         """Bits per weight at a large K, for listings; reports count stored bytes."""
         return float(self.describe()["bits"])
+
+    # -- the compute contract (qtvm.ops) -------------------------------------
+    @abstractmethod
+    def padded_k(self, k: int) -> int:
+        """K rounded up to what the packing and grouping need."""
+
+    @abstractmethod
+    def group_size_for(self, k: int) -> int:
+        """Rows of K sharing one set of group coefficients."""
+
+    @abstractmethod
+    def array_rows(self, k: int) -> dict[str, int]:
+        """Stored [rows, N] arrays in kernel argument order."""
+
+    @abstractmethod
+    def array_dtype(self, name: str) -> str:
+        """TVM dtype of a stored array."""
+
+    @abstractmethod
+    def te_decode_terms(self, load: ArrayLoader, k) -> list:
+        """float32 PrimExprs whose coefficient-weighted sum (+ offset) is w[k, n]."""
+
+    @abstractmethod
+    def te_group_coefs(self, load: ArrayLoader, g) -> tuple[list, object]:
+        """([coefficient per term], offset) of group ``g`` at the current column."""
 
 
 def check_weight(w: np.ndarray, what: str = "weight") -> np.ndarray:

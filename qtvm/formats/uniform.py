@@ -17,7 +17,7 @@ import numpy as np
 from tvm import tirx
 
 from qtvm.errors import QtvmError
-from qtvm.formats.base import QuantFormat, QuantizedTensor, WordLoader, check_weight
+from qtvm.formats.base import ArrayLoader, QuantFormat, QuantizedTensor, check_weight
 
 VALID_BITS = (2, 3, 4, 8)
 VALID_GROUPS = (16, 32, 64, 128, 256)
@@ -76,7 +76,7 @@ class UniformFormat(QuantFormat):
 
     def describe(self) -> dict:
         return {"family": "uniform", "bits": self.bits, "group_size": self.group_size or 0,
-                "storage": "int32", "zeros": "float32"}
+                "storage": "int32", "zeros": "float32", "values_per_block": self.values_per_block}
 
     def bits_per_weight_nominal(self) -> float:
         g = self.group_size or 4096
@@ -147,11 +147,18 @@ class UniformFormat(QuantFormat):
         return ((codes - zeros) * scales)[: qt.k].astype(np.float32)
 
     # -- TE side ----------------------------------------------------------------
-    def te_decode(self, word: WordLoader, k):
-        """The integer code of weight row ``k`` as float32 (before scale and zero)."""
-        return self._te_code(word, k).astype("float32")
+    def array_dtype(self, name: str) -> str:
+        return "int32" if name == "qweight" else "float32"
 
-    def _te_code(self, word: WordLoader, k):
+    def te_decode_terms(self, load: ArrayLoader, k):
+        """One term: the integer code of weight row ``k`` as float32."""
+        return [self._te_code(lambda row: load("qweight", row), k).astype("float32")]
+
+    def te_group_coefs(self, load: ArrayLoader, g):
+        s = load("scales", g)
+        return [s], -load("zeros", g) * s
+
+    def _te_code(self, word, k):
         mask = tirx.const(self.qmax, "int32")
         if self.bits != 3:
             vpw = self.values_per_block
@@ -169,7 +176,3 @@ class UniformFormat(QuantFormat):
         code = ((lo >> shift.astype("uint32")) | (hi << tirx.min(32 - shift, 31).astype("uint32")))
         return (code & tirx.const(7, "uint32")).astype("int32")
 
-    def te_group_affine(self, load):
-        """(scale, offset) of the group: w = scale * decode + offset."""
-        s = load("scales")
-        return s, -load("zeros") * s
