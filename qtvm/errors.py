@@ -11,4 +11,4 @@ class QtvmError(Exception):
     def __init__(self, problem: str, fix: str | None = None):
         self.problem = problem
         self.fix = fix
-        super().__init__(f"{problem}. {fix}" if fix else problem)
+        super().__init__(f"{problem.rstrip('.')}; {fix}" if fix else problem)

@@ -14,7 +14,7 @@ from tvm import relax
 
 from qtvm.errors import QtvmError
 from qtvm.formats import get_format
-from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize
+from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
 from qtvm.target import cpu_flags_required, parse_target
 
 METADATA_FUNC = "qtvm_metadata"
@@ -38,8 +38,12 @@ def check_output_path(out: str | os.PathLike) -> Path:
         raise QtvmError(f"output path '{out}' is a directory", "give a file name such as model.so")
     if not parent.is_dir():
         raise QtvmError(f"output directory '{parent}' does not exist", "create it first")
-    if not os.access(parent, os.W_OK):
-        raise QtvmError(f"output directory '{parent}' is not writable", "choose another -o path")
+    try:  # a real probe: permission bits say nothing for root or read-only mounts
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise QtvmError(f"output directory '{parent}' is not writable ({e.strerror})", "choose another -o path") from None
     return out
 
 
@@ -57,6 +61,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     target = parse_target(target) if isinstance(target, str) else target
     fmt = None if quant == FLOAT else get_format(quant)
     model = load_onnx(model_path)
+    validate(model, f"'{model_path}'")
     summary = summarize(model)
     mod = safe_gather(import_onnx(model))
     notes = []

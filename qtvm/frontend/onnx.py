@@ -36,12 +36,20 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node or not model.opset_import:
         raise QtvmError(f"'{path}' is not a readable ONNX model (no graph nodes or opset)",
                         "re-export the model or check the download")
+    return model
+
+
+def validate(model: onnx.ModelProto, name: str = "model") -> None:
+    """Unsupported ops first (all named at once), then the ONNX checker."""
+    missing = unsupported_ops(model)
+    if missing:
+        raise QtvmError(f"unsupported ONNX ops: {', '.join(missing)}",
+                        "re-export without them, or file an issue naming these ops")
     try:
         onnx.checker.check_model(model)
     except Exception as e:
-        raise QtvmError(f"'{path}' fails the ONNX checker: {str(e).splitlines()[0]}",
-                        "re-export the model") from None
-    return model
+        first = str(e).strip().splitlines()[0].rstrip(".")
+        raise QtvmError(f"{name} fails the ONNX checker: {first}", "re-export the model") from None
 
 
 def unsupported_ops(model: onnx.ModelProto) -> list[str]:
@@ -79,10 +87,7 @@ def summarize(model: onnx.ModelProto) -> OnnxSummary:
 
 def import_onnx(model: onnx.ModelProto):
     """Relax IRModule with weights bound as constants and dim_params as symbols."""
-    missing = unsupported_ops(model)
-    if missing:
-        raise QtvmError(f"unsupported ONNX ops: {', '.join(missing)}",
-                        "re-export without them, or file an issue naming these ops")
+    validate(model)
     from tvm import relax
 
     try:

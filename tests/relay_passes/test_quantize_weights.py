@@ -1,0 +1,52 @@
+"""The Relax pass: constant-weight matmuls become packed kernels, others stay float."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tvm
+from tvm import relax
+
+from qtvm.formats import get_format
+from qtvm.frontend.onnx import import_onnx
+from qtvm.reference import dequantized_model
+from relay_passes.quantize_weights import quantize_weights
+from tests.conftest import mlp_model
+
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
+
+
+def _call_tir_targets(mod):
+    names = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and e.op == tvm.ir.Op.get("relax.call_tir"):
+            names.append(e.args[0].name_hint)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return names
+
+
+@pytest.mark.parametrize("preset", ["int4-g32", "int4-col", "int3-g64", "int8-g128"])
+def test_rewrites_gemm_transb_and_matmul(preset):
+    model = mlp_model()
+    mod, report = quantize_weights(import_onnx(model), get_format(preset), TARGET)
+    assert [(layer.k, layer.n) for layer in report.layers] == [(100, 70), (70, 37)]
+    assert report.float_matmuls == 1  # x @ x^T
+    kernels = _call_tir_targets(mod)
+    assert len(kernels) == 2 and all(name.startswith("qmatmul_") for name in kernels)
+    ex = tvm.compile(mod, target=TARGET)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    x = np.random.default_rng(0).standard_normal((17, 100)).astype(np.float32)
+    y, gram = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
+    ref = ort.InferenceSession(dequantized_model(model, get_format(preset)).SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.abs(y - ref[0]).max() / np.abs(ref[0]).max() < 1e-5
+    np.testing.assert_allclose(gram, ref[1], rtol=1e-5, atol=1e-4)
+
+
+def test_same_shape_shares_one_kernel():
+    model = mlp_model(k=64, hidden=64, n=64)
+    mod, report = quantize_weights(import_onnx(model), get_format("int4-g32"), TARGET)
+    assert len(report.layers) == 2
+    assert len(set(_call_tir_targets(mod))) == 1

@@ -1,0 +1,130 @@
+"""Every bad input through the real CLI: exit 2, one line, no traceback, no output file."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tests.conftest import mlp_model
+
+
+def qtvm(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "qtvm.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and err.startswith("qtvm: error:"), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def unsupported_model(path):
+    nodes = [helper.make_node("Det", ["x"], ["d"], name="det"),
+             helper.make_node("Bernoulli", ["x"], ["b"], name="bern"),
+             helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("MatMulNBits", ["x"], ["q"], name="mnb", domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, [3, 3]) for o in "dbrq"])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("case", ["missing", "not_onnx", "truncated", "unsupported", "directory"])
+def test_bad_model_files(tmp_path, case):
+    model = tmp_path / "m.onnx"
+    if case == "not_onnx":
+        model.write_text("this is a text file, not a model\n" * 10)
+    elif case == "truncated":
+        data = mlp_model().SerializeToString()
+        model.write_bytes(data[: len(data) // 2])
+    elif case == "unsupported":
+        unsupported_model(model)
+    elif case == "directory":
+        model = tmp_path
+    out = tmp_path / "out.so"
+    proc = qtvm("compile", model, "--target", "llvm", "-o", out)
+    needles = {"missing": ["does not exist"], "not_onnx": ["not a readable ONNX model"],
+               "truncated": ["not a readable ONNX model"], "directory": ["is a directory"],
+               "unsupported": ["unsupported ONNX ops", "Bernoulli", "Det", "com.microsoft.MatMulNBits"]}[case]
+    assert_clean_error(proc, *needles)
+    assert "Relu" not in proc.stderr  # only the unsupported ones are named
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--quant", "int5-g7"], "unknown quant preset 'int5-g7'"),
+    (["--target", "llvm", "-mcpu=notacpu"], "does not know the CPU 'notacpu'"),
+    (["--target", "tpu"], "unknown target kind 'tpu'"),
+    (["--target", "llvm -foo=1"], "invalid target"),
+])
+def test_bad_options(mlp_path, tmp_path, args, needle):
+    out = tmp_path / "out.so"
+    proc = qtvm("compile", mlp_path, *args, "-o", out)
+    assert_clean_error(proc, needle)
+    assert not out.exists()
+
+
+def test_unwritable_output(mlp_path):
+    """/proc refuses new files even to root, unlike permission bits."""
+    assert_clean_error(qtvm("compile", mlp_path, "-o", "/proc/qtvm_out.so"), "is not writable")
+
+
+def test_output_directory_missing(mlp_path, tmp_path):
+    out = tmp_path / "nope" / "out.so"
+    assert_clean_error(qtvm("compile", mlp_path, "-o", out), "does not exist")
+    assert not out.parent.exists()
+
+
+def test_output_path_unwritable(mlp_path, tmp_path):
+    """Root ignores permission bits, so make the path unwritable by being a file's child."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_clean_error(qtvm("compile", mlp_path, "-o", blocker / "out.so"), "does not exist")
+
+
+def test_compile_and_run_unquoted_target(mlp_path, tmp_path):
+    out = tmp_path / "mlp.so"
+    proc = qtvm("compile", mlp_path, "--target", "llvm", "-mcpu=znver2", "-mattr=+avx2,+fma", "--quant", "int4-g32",
+                "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "quantized 2 matmuls to int4-g32" in proc.stdout
+    assert "left in float: 1 MatMul/Gemm whose weight is not a constant (gram)" in proc.stdout
+    assert '"mcpu":"znver2"' in proc.stdout and out.is_file()
+    x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    run = qtvm("run", out, "--input", f"x={tmp_path / 'x.npy'}", "--save", tmp_path / "y.npz")
+    assert run.returncode == 0, run.stderr
+    assert "y: shape [3, 37] float32" in run.stdout and "gram: shape [3, 3]" in run.stdout
+    saved = np.load(tmp_path / "y.npz")
+    assert saved["y"].shape == (3, 37)
+    np.testing.assert_allclose(saved["gram"], x @ x.T, rtol=1e-5, atol=1e-4)
+
+
+def test_run_bad_inputs(mlp_path, tmp_path):
+    out = tmp_path / "mlp.so"
+    assert qtvm("compile", mlp_path, "--target", "llvm", "-o", out).returncode == 0
+    np.save(tmp_path / "x64.npy", np.zeros((2, 100), np.float64))
+    np.save(tmp_path / "xk.npy", np.zeros((2, 99), np.float32))
+    assert_clean_error(qtvm("run", out, "--input", f"x={tmp_path / 'x64.npy'}"), "dtype float64, expected float32")
+    assert_clean_error(qtvm("run", out, "--input", f"x={tmp_path / 'xk.npy'}"), "size 99 on axis 1, expected 100")
+    assert_clean_error(qtvm("run", out, "--input", f"z={tmp_path / 'xk.npy'}"), "missing x; unknown z")
+    assert_clean_error(qtvm("run", out, "--input", f"x={tmp_path / 'none.npy'}"), "does not exist")
+    assert_clean_error(qtvm("run", tmp_path / "none.so"), "does not exist")
+    (tmp_path / "junk.so").write_text("junk")
+    assert_clean_error(qtvm("run", tmp_path / "junk.so"), "not a loadable qtvm artefact")
+
+
+def test_formats_lists_presets():
+    proc = qtvm("formats")
+    assert proc.returncode == 0
+    for preset in ("int4-g128", "int3-g128", "int2-g64", "int8-g128", "int4-col"):
+        assert preset in proc.stdout

@@ -1,0 +1,73 @@
+"""The bundled model, compiled once, against onnxruntime on the dequantized weights."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from qtvm.formats import get_format
+from qtvm.reference import dequantized_model
+
+
+@pytest.fixture(scope="module")
+def sessions(tiny_llama_path):
+    model = onnx.load(str(tiny_llama_path))
+    deq = dequantized_model(model, get_format("int4-g128"))
+    return (ort.InferenceSession(deq.SerializeToString(), providers=["CPUExecutionProvider"]),
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]))
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 5), (1, 33), (2, 5), (2, 33)])
+def test_one_artefact_matches_ort_dequantized(tiny_llama_int4, sessions, batch, seq):
+    from qtvm import runtime
+
+    module = runtime.load(tiny_llama_int4[0])
+    ids = np.random.default_rng(batch * 100 + seq).integers(0, 512, (batch, seq)).astype(np.int64)
+    got = module.run({"input_ids": ids})["logits"]
+    want = sessions[0].run(None, {"input_ids": ids})[0]
+    assert got.shape == (batch, seq, 512)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+    # The quantization error itself is real (not a float model in disguise) but bounded.
+    float_out = sessions[1].run(None, {"input_ids": ids})[0]
+    rel_float = np.abs(got - float_out).max() / np.abs(float_out).max()
+    assert 1e-3 < rel_float < 1.0
+
+
+def test_compile_summary(tiny_llama_int4):
+    meta = tiny_llama_int4[1].metadata
+    assert meta["quantized_matmuls"] == 15
+    assert meta["float_weight_bytes"] / meta["packed_bytes"] > 6.5  # int4 + fp32 scale/zero per 128
+    assert meta["inputs"] == [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}]
+    assert any("4 MatMul/Gemm whose weight is not a constant" in n for n in tiny_llama_int4[1].notes)
+
+
+def test_artefact_smaller_than_float_weights(tiny_llama_int4):
+    path, result = tiny_llama_int4
+    assert path.stat().st_size < result.metadata["float_weight_bytes"] / 2
+
+
+def test_failed_export_leaves_nothing(mlp_path, tmp_path, monkeypatch):
+    import tvm
+
+    from qtvm import pipeline
+
+    def broken_export(self, path, *a, **k):
+        open(path, "wb").write(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tvm.runtime.Executable, "export_library", broken_export)
+    with pytest.raises(RuntimeError):
+        pipeline.compile_model(mlp_path, tmp_path / "out.so", "llvm")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx"]
+
+
+def test_float_build_matches_onnxruntime(mlp_path, tmp_path):
+    from qtvm import runtime
+    from qtvm.pipeline import compile_model
+
+    out = compile_model(mlp_path, tmp_path / "f.so", "llvm", "none").path
+    x = np.random.default_rng(1).standard_normal((4, 100)).astype(np.float32)
+    got = runtime.load(out).run({"x": x})
+    want = ort.InferenceSession(str(mlp_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,75 @@
+"""The thin runtime: input checks, and no compiler library in its process."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from qtvm.errors import QtvmError
+
+
+@pytest.fixture(scope="module")
+def module(tiny_llama_int4):
+    from qtvm import runtime
+
+    return runtime.load(tiny_llama_int4[0])
+
+
+def test_signature(module):
+    assert module.inputs == [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}]
+    assert module.outputs == [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", 512]}]
+
+
+@pytest.mark.parametrize("feeds,needle", [
+    ({"input_ids": np.zeros((1, 4), np.int32)}, "dtype int32, expected int64"),
+    ({"input_ids": np.zeros((4,), np.int64)}, "rank 1"),
+    ({"input_ids": np.zeros((1, 2, 3), np.int64)}, "rank 3"),
+    ({"input_ids": np.zeros((1, 0), np.int64)}, "sizes must be >= 1"),
+    ({}, "missing input_ids"),
+    ({"input_ids": np.zeros((1, 4), np.int64), "mask": np.zeros(1)}, "unknown mask"),
+])
+def test_bad_inputs(module, feeds, needle):
+    with pytest.raises(QtvmError, match=needle):
+        module.run(feeds)
+
+
+def test_out_of_range_token_ids_do_not_crash(module):
+    ids = np.array([[0, 511, 512, -1, 10**9]], np.int64)
+    assert module.run({"input_ids": ids})["logits"].shape == (1, 5, 512)
+
+
+def test_symbolic_dims_must_agree(tmp_path):
+    """Two inputs sharing 'batch' with different sizes are refused before running."""
+    from qtvm.runtime import Module
+
+    m = Module.__new__(Module)
+    m.metadata = {"inputs": [{"name": "a", "dtype": "float32", "shape": ["batch", 4]},
+                             {"name": "b", "dtype": "float32", "shape": ["batch"]}], "outputs": []}
+    with pytest.raises(QtvmError, match="dimension 'batch' is 2 in input 'a' but 3 in input 'b'"):
+        m.check_inputs({"a": np.zeros((2, 4), np.float32), "b": np.zeros(3, np.float32)})
+
+
+def test_runtime_process_never_maps_compiler(tiny_llama_int4):
+    script = textwrap.dedent(f"""
+        import numpy as np, sys
+        import qtvm.runtime as rt
+        m = rt.load({str(tiny_llama_int4[0])!r})
+        out = m.run({{"input_ids": np.arange(6, dtype=np.int64).reshape(2, 3)}})
+        maps = open("/proc/self/maps").read()
+        assert "libtvm_runtime" in maps, "runtime library not mapped?"
+        print("compiler mapped:", "libtvm_compiler" in maps, "libtvm.so" in maps, out["logits"].shape)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "compiler mapped: False False (2, 3, 512)" in proc.stdout
+
+
+def test_refuses_cpu_it_was_not_built_for(tiny_llama_int4, monkeypatch):
+    from qtvm import runtime
+
+    monkeypatch.setattr(runtime, "_host_cpu_flags", lambda: {"sse2"})
+    with pytest.raises(QtvmError, match="needs CPU features .*avx2"):
+        runtime.load(tiny_llama_int4[0])
