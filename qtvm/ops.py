@@ -95,3 +95,108 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc
     func = te.create_prim_func([x, *stored.values(), y])
     desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=num_terms)
     return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
+
+
+# -- int8 activations (a user option: it rounds activations) -----------------
+ACT_BLOCK = 32  # activations share one fp32 scale per 32 values (as llama.cpp's Q8)
+BLOCK_DOT, BLOCK_GPART = "dot", "gpart"
+
+
+def supports_int8_activations(fmt: QuantFormat, k: int) -> bool:
+    """The byte-plane dot needs 2- or 4-bit uniform codes and 32-aligned groups."""
+    desc = fmt.describe()
+    return (desc.get("family") == "uniform" and desc["bits"] in (2, 4)
+            and fmt.group_size_for(k) % ACT_BLOCK == 0 and fmt.padded_k(k) % ACT_BLOCK == 0)
+
+
+def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
+    """x[m, k] -> (xq[m, K_pad] int8 in byte-plane order, xd[m, K_pad/32] scales, xs[m, G] group sums).
+
+    xs sums the *rounded* activations (sum_b xd_b * sum xq), so the kernel
+    computes exactly x_hat @ W_hat: the zero-point term then cancels the
+    rounding error of x * code instead of amplifying it (as llama.cpp's q8_1).
+    """
+    from qtvm.intrin.x86 import planes
+
+    bits = int(fmt.describe()["bits"])
+    pc, vpw = planes(bits), 32 // bits
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    x = te.placeholder((m, k), "float32", name="x")
+
+    def xk(i, kk):
+        return x[i, kk] if kp == k else tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+
+    r = te.reduce_axis((0, ACT_BLOCK), name="r")
+    amax = te.compute((m, kp // ACT_BLOCK), lambda i, b: te.max(tirx.abs(xk(i, b * ACT_BLOCK + r)), axis=r), name="amax")
+    xd = te.compute((m, kp // ACT_BLOCK), lambda i, b: amax[i, b] / 127.0, name="xd")
+
+    def quant(i, pos):
+        q = pos % vpw
+        src = pos - q + (q % 4) * pc + q // 4  # plane-major position -> value index
+        a = amax[i, src // ACT_BLOCK]
+        inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
+        return tirx.max(tirx.min(tirx.round(xk(i, src) * inv), 127.0), -127.0).astype("int8")
+
+    xq = te.compute((m, kp), quant, name="xq")
+    r2 = te.reduce_axis((0, ACT_BLOCK), name="r2")
+    bsum = te.compute((m, kp // ACT_BLOCK), lambda i, b: te.sum(xq[i, b * ACT_BLOCK + r2].astype("int32"), axis=r2),
+                      name="bsum")
+    per_group = gs // ACT_BLOCK
+    r3 = te.reduce_axis((0, per_group), name="r3")
+    xs = te.compute((m, kp // gs), lambda i, g: te.sum(
+        xd[i, g * per_group + r3] * bsum[i, g * per_group + r3].astype("float32"), axis=r3), name="xs")
+    func = te.create_prim_func([x, xq, xd, xs])
+    return func.with_attrs({KERNEL_ATTR: "quantize_activations",
+                            FORMAT_ATTR: dict(fmt.describe(), k=k, padded_k=kp, group=gs)})
+
+
+def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
+    """PrimFunc(xq, xd, xs, *blocked weights, y): y = x @ W with int8-rounded x.
+
+    dot[m, b, n] = sum over 32 values of xq * code (int32, exact)
+    y[m, n] = sum_g scale * sum_{b in g} xd[m, b] * dot[m, b, n] + offset * xs[m, g]
+    """
+    from qtvm.intrin.x86 import planes
+
+    desc = fmt.describe()
+    bits = int(desc["bits"])
+    pc, vpw = planes(bits), 32 // bits
+    mask = (1 << bits) - 1
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ngroups, nblk, nact = kp // gs, -(-n // nb), kp // ACT_BLOCK
+    words_per_act, acts_per_group = ACT_BLOCK // vpw, gs // ACT_BLOCK
+    xq = te.placeholder((m, kp), "int8", name="xq")
+    xd = te.placeholder((m, nact), "float32", name="xd")
+    xs = te.placeholder((m, ngroups), "float32", name="xs")
+    stored = {name: te.placeholder((nblk, rows, nb), fmt.array_dtype(name), name=name)
+              for name, rows in fmt.array_rows(k).items()}
+    qw = stored["qweight"]
+
+    rw = te.reduce_axis((0, words_per_act), name="rw")
+    rj = te.reduce_axis((0, vpw), name="rj")
+    dot = te.compute(
+        (m, nact, nblk * nb),
+        lambda i, b, j: te.sum(
+            xq[i, b * ACT_BLOCK + rw * vpw + rj % pc * 4 + rj // pc].astype("int32")
+            * tirx.bitwise_and(tirx.shift_right(qw[j // nb, b * words_per_act + rw, j % nb], rj * bits), mask),
+            axis=[rw, rj]),
+        name=BLOCK_DOT)
+    rb = te.reduce_axis((0, acts_per_group), name="rb")
+    gpart = te.compute(
+        (m, ngroups, nblk * nb),
+        lambda i, g, j: te.sum(xd[i, g * acts_per_group + rb] * dot[i, g * acts_per_group + rb, j].astype("float32"),
+                               axis=rb),
+        name=BLOCK_GPART)
+    rg = te.reduce_axis((0, ngroups), name="g")
+
+    def group_term(i, j):
+        coefs, offset = fmt.te_group_coefs(lambda name, row: stored[name][j // nb, row, j % nb], rg)
+        return coefs[0] * gpart[i, rg, j] + offset * xs[i, rg]
+
+    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
+    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
+    func = te.create_prim_func([xq, xd, xs, *stored.values(), y])
+    attrs = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, activations="int8")
+    return func.with_attrs({KERNEL_ATTR: "qmatmul_a8", FORMAT_ATTR: attrs})

@@ -10,7 +10,7 @@ import tvm
 from qtvm.errors import QtvmError
 from schedules import x86
 
-RULES = [x86.schedule_qmatmul_x86]
+RULES = [x86.schedule_qmatmul_x86, x86.schedule_qmatmul_a8_x86, x86.schedule_quantize_activations_x86]
 
 
 def schedule_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.tirx.PrimFunc:

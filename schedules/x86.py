@@ -22,20 +22,35 @@ def col_block(target: tvm.target.Target) -> int:
     return 64
 
 
-def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    if not applies(func, target):
+def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, tile_cols=None, unroll=None,
+                         local_partials: bool = True, parallel: bool = True) -> s_tir.Schedule | None:
+    """The hand schedule; the keyword knobs (defaults = the hand schedule) are for the tuner."""
+    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul":
         return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    nb = int(desc["col_block"])
-    unroll = _unpack_unroll(desc)
     sch = s_tir.Schedule(func)
+    apply_qmatmul_x86(sch, func.attrs[ops.FORMAT_ATTR], tile_cols=tile_cols, unroll=unroll,
+                      local_partials=local_partials, parallel=parallel)
+    return sch
+
+
+# -- tuning hook (schedules/tune.py) -------------------------------------------------------
+# ``tile_cols`` / ``unroll`` may be ints or ExprRVs sampled by MetaSchedule.
+#   tile_cols: columns of one register tile (divides col_block): the partial's column loop is
+#              split and its K loops run inside each tile; None = one tile of col_block (no split).
+#   unroll:    K values per unrolled step (default: one run of packed words, so shifts are constant).
+#   local_partials: partial sums in "local" scope; parallel: parallel over column blocks.
+def apply_qmatmul_x86(sch: s_tir.Schedule, desc, *, tile_cols=None, unroll=None,
+                      local_partials: bool = True, parallel: bool = True) -> None:
+    nb = int(desc["col_block"])
+    unroll = _unpack_unroll(desc) if unroll is None else unroll
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     parts = [sch.get_sblock(ops.partial_block(t)) for t in range(int(desc["terms"]))]
 
     i, j = sch.get_loops(out)
     jo, ji = sch.split(j, [None, nb])
     sch.reorder(jo, i, ji)
-    sch.parallel(jo)
+    if parallel:
+        sch.parallel(jo)
     sch.compute_at(acc, i)
     sch.set_scope(acc, 0, "local")
     if int(desc["padded_k"]) == int(desc["group"]):
@@ -44,17 +59,21 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> 
     sch.reorder(acc_g, acc_j)
     for part in parts:
         sch.compute_at(part, acc_g)
-        sch.set_scope(part, 0, "local")
+        if local_partials:
+            sch.set_scope(part, 0, "local")
         part_j, part_k = sch.get_loops(part)[-2:]
         ko, ki = sch.split(part_k, [None, unroll])
-        sch.reorder(ko, ki, part_j)
+        if tile_cols is None:
+            sch.reorder(ko, ki, part_j)
+        else:
+            jt, part_j = sch.split(part_j, [None, tile_cols])
+            sch.reorder(jt, ko, ki, part_j)
         sch.unroll(ki)
         sch.vectorize(part_j)
         sch.decompose_reduction(part, ko)
     sch.vectorize(sch.get_loops(acc)[-1])
     sch.decompose_reduction(acc, acc_g)
     sch.vectorize(sch.get_loops(out)[-1])
-    return sch
 
 
 def _unpack_unroll(desc) -> int:
@@ -62,3 +81,80 @@ def _unpack_unroll(desc) -> int:
     values = int(desc.get("values_per_block", 8))
     group = int(desc["group"])
     return values if group % values == 0 else 1
+
+
+def dot_isa(target: tvm.target.Target) -> str:
+    """The widest byte-dot instruction set the target has."""
+    from tvm.target import codegen
+
+    with target:
+        has = lambda feature: bool(codegen.llvm_cpu_has_features(feature, target))  # noqa: E731
+        if has("avx512vnni"):
+            return "avx512vnni"
+        if has("avx512bw"):
+            return "avx512bw"
+        if has("avx2"):
+            return "avx2"
+    return ""
+
+
+def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """int8-activation kernel: the word x column-vector dot is one TensorIntrin
+    (``qtvm.intrin.x86``); per 32-value block the int32 dot is scaled into the
+    group partial, per group the scale/offset fold it into the output."""
+    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul_a8":
+        return None
+    from qtvm.intrin import x86 as intrin
+
+    isa = dot_isa(target)
+    if not isa:
+        return None
+    desc = func.attrs[ops.FORMAT_ATTR]
+    nb, bits = int(desc["col_block"]), int(desc["bits"])
+    sch = s_tir.Schedule(func)
+    out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
+    gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
+    i, j = sch.get_loops(out)
+    jo, ji = sch.split(j, [None, nb])
+    sch.reorder(jo, i, ji)
+    sch.parallel(jo)
+    sch.compute_at(acc, i)
+    sch.set_scope(acc, 0, "local")
+    if int(desc["padded_k"]) == int(desc["group"]):
+        sch.add_unit_loop(acc)
+    acc_j, acc_g = sch.get_loops(acc)[-2:]
+    sch.reorder(acc_g, acc_j)
+    sch.compute_at(gpart, acc_g)
+    sch.set_scope(gpart, 0, "local")
+    if int(desc["group"]) == ops.ACT_BLOCK:
+        sch.add_unit_loop(gpart)
+    gp_j, gp_b = sch.get_loops(gpart)[-2:]
+    sch.reorder(gp_b, gp_j)
+    sch.compute_at(dot, gp_b)
+    sch.set_scope(dot, 0, "local")
+    dot_j, dot_w, dot_r = sch.get_loops(dot)[-3:]
+    lanes = intrin.ISAS[isa]
+    vec, lane = sch.split(dot_j, [None, lanes])
+    sch.reorder(dot_w, vec, lane, dot_r)
+    dot_init = sch.decompose_reduction(dot, dot_w)
+    sch.vectorize(sch.get_loops(dot_init)[-1])
+    sch.vectorize(gp_j)
+    sch.vectorize(acc_j)
+    sch.decompose_reduction(gpart, gp_b)
+    sch.decompose_reduction(acc, acc_g)
+    sch.tensorize(lane, intrin.intrin_name(bits, isa))
+    sch.vectorize(sch.get_loops(out)[-1])
+    return sch
+
+
+def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """M x K elementwise work: parallel over rows; small next to the GEMV."""
+    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "quantize_activations":
+        return None
+    sch = s_tir.Schedule(func)
+    for name in ("amax", "xd", "xq", "bsum", "xs"):
+        block = sch.get_sblock(name)
+        loops = sch.get_loops(block)
+        if name == "xq":
+            sch.parallel(loops[0])
+    return sch

@@ -1,0 +1,1 @@
+"""Registered TensorIntrins (desc/impl pairs) with systematic names."""
