@@ -53,7 +53,8 @@ def _metadata_function(meta: dict) -> relax.Function:
     return relax.Function([], relax.const(data), relax.TensorType([len(data)], "uint8"))
 
 
-def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128"):
+def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
+                 activations: str = "fp32"):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export."""
     from relay_passes.quantize_weights import quantize_weights
     from relay_passes.safe_gather import safe_gather
@@ -67,15 +68,19 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     notes = []
     meta = {
         "format": quant,
+        "activations": activations if fmt is not None else "fp32",
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
         "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
         "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.outputs],
     }
     if fmt is not None:
-        mod, report = quantize_weights(mod, fmt, target)
+        mod, report = quantize_weights(mod, fmt, target, activations)
         meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
                     float_weight_bytes=report.float_bytes)
+        if report.fp32_activation_fallbacks:
+            notes.append(f"int8 activations not available for {len(report.fp32_activation_fallbacks)} matmuls "
+                         f"({'; '.join(sorted(set(report.fp32_activation_fallbacks)))}): they keep fp32 activations")
         if summary.float_matmuls:
             notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
                          f"constant ({', '.join(summary.float_matmuls[:4])}"
@@ -84,12 +89,13 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     return mod, meta, summary, notes
 
 
-def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128") -> CompileResult:
+def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
+                  activations: str = "fp32") -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched."""
     start = time.perf_counter()
     out = check_output_path(out)
     target = parse_target(target) if isinstance(target, str) else target
-    mod, meta, summary, notes = build_module(model_path, target, quant)
+    mod, meta, summary, notes = build_module(model_path, target, quant, activations)
     ex = tvm.compile(mod, target=target)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)

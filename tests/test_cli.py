@@ -96,7 +96,7 @@ def test_compile_and_run_unquoted_target(mlp_path, tmp_path):
     proc = qtvm("compile", mlp_path, "--target", "llvm", "-mcpu=znver2", "-mattr=+avx2,+fma", "--quant", "int4-g32",
                 "-o", out)
     assert proc.returncode == 0, proc.stderr
-    assert "quantized 2 matmuls to int4-g32" in proc.stdout
+    assert "quantized 2 matmuls to int4-g32 (fp32 activations)" in proc.stdout
     assert "left in float: 1 MatMul/Gemm whose weight is not a constant (gram)" in proc.stdout
     assert '"mcpu":"znver2"' in proc.stdout and out.is_file()
     x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)

@@ -1,0 +1,130 @@
+"""Compute definitions + x86 rules against the numpy references of their formats."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from qtvm import ops
+from qtvm.formats import get_format
+from qtvm.intrin import x86 as intrin
+from qtvm.runtime import _host_cpu_flags
+from schedules import schedule_kernel
+
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
+ISA_TARGETS = {"avx2": AVX2,
+               "avx512bw": tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}),
+               "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})}
+ISA_FLAGS = {"avx2": {"avx2"}, "avx512bw": {"avx512bw"}, "avx512vnni": {"avx512bw", "avx512_vnni"}}
+RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= _host_cpu_flags()]
+NB = 64
+
+
+def build(func, target):
+    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
+
+
+def run_fp32(lib, x, qt):
+    y = tvm.runtime.tensor(np.zeros((x.shape[0], qt.n), np.float32))
+    lib["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], y)
+    return y.numpy()
+
+
+def rel_err(got, want):
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+@pytest.mark.parametrize("preset,k,n", [
+    ("int4-g128", 1000, 37), ("int4-g32", 128, 1), ("int4-g64", 4096, 37), ("int4-col", 1000, 37),
+    ("int3-g128", 1000, 37), ("int2-g64", 300, 70), ("int8-g32", 256, 65),
+])
+def test_qmatmul_fp32_activations(preset, k, n):
+    fmt = get_format(preset)
+    rng = np.random.default_rng(k + n)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    lib = build(ops.qmatmul_func(fmt, k, n, NB), AVX2)
+    for m in (1, 17):  # one compiled kernel, symbolic M
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        assert rel_err(run_fp32(lib, x, qt), x.astype(np.float64) @ qt.dequantize()) < 1e-5
+
+
+def test_kernel_carries_format_description():
+    func = ops.qmatmul_func(get_format("int3-g128"), 1000, 37, NB)
+    desc = func.attrs[ops.FORMAT_ATTR]
+    assert func.attrs[ops.KERNEL_ATTR] == "qmatmul"
+    assert (int(desc["bits"]), int(desc["group"]), int(desc["padded_k"]), int(desc["col_block"])) == (3, 128, 1024, 64)
+
+
+def int8_rounded_reference(x, fmt, qt):
+    """x rounded exactly as the activation kernel does (per 32 values, symmetric int8)."""
+    kp = fmt.padded_k(qt.k)
+    xp = np.zeros((x.shape[0], kp))
+    xp[:, : qt.k] = x
+    blocks = xp.reshape(x.shape[0], -1, ops.ACT_BLOCK)
+    scale = np.abs(blocks).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
+    safe = np.where(scale > 0, scale, 1)
+    xq = np.clip(np.round(blocks / safe), -127, 127) * scale
+    return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)
+
+
+def run_a8(target, fmt, qt, x):
+    quant = build(ops.quantize_activations_func(fmt, qt.k), target)
+    lib = build(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB), target)
+    kp, groups = fmt.padded_k(qt.k), fmt.padded_k(qt.k) // fmt.group_size_for(qt.k)
+    m = x.shape[0]
+    acts = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in
+            (((m, kp), np.int8), ((m, kp // 32), np.float32), ((m, groups), np.float32))]
+    quant["main"](tvm.runtime.tensor(x), *acts)
+    y = tvm.runtime.tensor(np.zeros((m, qt.n), np.float32))
+    lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], y)
+    return y.numpy(), lib
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int4-g32", 4096, 1), ("int2-g64", 300, 70)])
+def test_qmatmul_int8_activations(isa, preset, k, n):
+    fmt = get_format(preset)
+    rng = np.random.default_rng(k)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    for m in (1, 17):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        got, _ = run_a8(ISA_TARGETS[isa], fmt, qt, x)
+        # Exactly x_hat @ W_hat (int32 dots are exact) ...
+        assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
+        # ... and within int8 rounding of the fp32 result, on the scale of |x| |w_col|
+        # (per-value rounding is at most amax/254 per 32-block).
+        w = qt.dequantize().astype(np.float64)
+        scale = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(w, axis=0)[None, :]
+        assert float((np.abs(got - x.astype(np.float64) @ w) / scale).max()) < 0.01
+
+
+def test_host_can_run_avx2_path():
+    assert "avx2" in RUNNABLE  # every supported x86 host; the AVX-512 variants run where the CPU has them
+
+
+@pytest.mark.parametrize("isa,pattern,register", [
+    ("avx512vnni", ["vpdpbusd"], "zmm"), ("avx512bw", ["vpmaddubsw", "vpmaddwd"], "zmm"),
+    ("avx2", ["vpmaddubsw", "vpmaddwd"], "ymm")])
+def test_int8_dot_asm(isa, pattern, register):
+    """The byte-dot intrinsic lands as its instruction on full-width registers, no scalar extracts."""
+    fmt = get_format("int4-g128")
+    asm = build(ops.qmatmul_a8_func(fmt, 4096, 256, NB), ISA_TARGETS[isa]).mod.inspect_source("asm")
+    for instr in pattern:
+        assert any(instr in line and register in line for line in asm.splitlines()), instr
+    assert "vpextrd" not in asm and "vpextrb" not in asm
+
+
+def test_fp32_unpack_asm_avx512():
+    """fp32 path built for AVX-512: vector shifts/converts/FMAs on zmm."""
+    asm = build(ops.qmatmul_func(get_format("int4-g128"), 4096, 256, NB), ISA_TARGETS["avx512bw"]).mod.inspect_source("asm")
+    lines = asm.splitlines()
+    for instr in ("vpsrld", "vcvtdq2ps", "vfmadd"):
+        assert any(instr in line and ("zmm" in line or "ymm" in line) for line in lines), instr
+    assert sum("zmm" in line for line in lines) > 50
+
+
+def test_unsupported_formats_keep_fp32_activations():
+    assert ops.supports_int8_activations(get_format("int4-g128"), 1000)
+    assert not ops.supports_int8_activations(get_format("int3-g128"), 1000)
+    assert not ops.supports_int8_activations(get_format("int8-g128"), 1000)
+    assert not ops.supports_int8_activations(get_format("int4-g16"), 1000)
