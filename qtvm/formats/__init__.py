@@ -20,6 +20,8 @@ for _bits in VALID_BITS:
 # Each format family registers its presets here, one import line per family module
 # (the module calls ``register`` at import time).
 # -- families --
+from qtvm.formats import gptq as _gptq  # noqa: E402,F401  int*-qz presets
+from qtvm.formats import mixed as _mixed  # noqa: E402,F401  mixed-2-4-16
 
 
 def get_format(name: str) -> QuantFormat:

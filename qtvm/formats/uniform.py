@@ -91,10 +91,15 @@ class UniformFormat(QuantFormat):
         wp = np.zeros((kp, n), np.float32)
         wp[:k] = w
         grouped = wp.reshape(kp // gs, gs, n)
-        wmin = np.minimum(grouped.min(axis=1), 0.0)
-        wmax = np.maximum(grouped.max(axis=1), 0.0)
-        scales = ((wmax - wmin) / self.qmax).astype(np.float32)
+        lo, hi = grouped.min(axis=1), grouped.max(axis=1)
+        wmin, wmax = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
+        # float64: wmax - wmin of float32 values near +-3.4e38 overflows float32.
+        scales = ((wmax.astype(np.float64) - wmin) / self.qmax).astype(np.float32)
         scales[scales == 0] = 1.0  # an all-zero group: any scale reproduces it
+        # A constant group c != 0: scale |c| gives code 1 (zero 0) or code 0 (zero 1),
+        # so it dequantizes to exactly c (|c| / qmax * qmax need not round back to |c|).
+        const = (lo == hi) & (lo != 0)
+        scales[const] = np.abs(lo[const])
         zeros = np.clip(np.round(-wmin / scales), 0, self.qmax).astype(np.float32)
         codes = np.clip(np.round(grouped / scales[:, None, :]) + zeros[:, None, :], 0, self.qmax)
         codes = codes.reshape(kp, n).astype(np.uint32)
