@@ -86,23 +86,25 @@ class _Rewriter(PyExprMutator):
         self.report.layers.append(QuantizedMatmul(k, n, qt, w.nbytes))
         return self._emit_qmatmul(x, qt)
 
-    def _kernel(self, kind: str, make, *shape) -> tvm.ir.GlobalVar:
-        """One scheduled PrimFunc per (kind, shape), shared by every call site."""
-        key = (kind, *shape)
+    def _kernel(self, kind: str, fmt: QuantFormat, make, *shape) -> tvm.ir.GlobalVar:
+        """One PrimFunc per (kind, format, shape), shared by every call site."""
+        key = (kind, fmt.name, *shape)
         if key not in self.kernels:
-            name = f"{kind}_{self.fmt.name.replace('-', '_')}_{'x'.join(map(str, shape))}"
-            func = schedule_kernel(make(), self.target).with_attrs(
-                {"op_pattern": OPAQUE, "tir.is_scheduled": True, "global_symbol": name})
+            name = f"{kind}_{fmt.name.replace('-', '_')}_{'x'.join(map(str, shape))}"
+            func = make()
+            if ops.KERNEL_ATTR in func.attrs:
+                func = schedule_kernel(func, self.target).with_attrs({"tir.is_scheduled": True})
+            func = func.with_attrs({"op_pattern": OPAQUE, "global_symbol": name})
             self.kernels[key] = self.builder_.add_func(func, name)
         return self.kernels[key]
 
-    def _int8_activations(self, k: int) -> bool:
+    def _int8_activations(self, fmt: QuantFormat, k: int) -> bool:
         if self.activations != "int8":
             return False
         from schedules.x86 import dot_isa
 
-        if not ops.supports_int8_activations(self.fmt, k):
-            self.report.fp32_activation_fallbacks.append(f"{self.fmt.name} with K={k}")
+        if not ops.supports_int8_activations(fmt, k):
+            self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k}")
             return False
         if self.target.kind.name != "llvm" or not dot_isa(self.target):
             self.report.fp32_activation_fallbacks.append(f"target {self.target.kind.name} has no int8 dot")
@@ -110,32 +112,54 @@ class _Rewriter(PyExprMutator):
         return True
 
     def _emit_qmatmul(self, x, qt: QuantizedTensor):
-        from schedules import column_block
-
-        nb = column_block(self.target)
         shape = list(x.ty.shape.values)
         lead = shape[:-1]
         rows = tvm.tirx.const(1, "int64")
         for d in lead:
             rows = rows * d
         x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([rows, qt.k])))
+        parts = qt.fmt.kernel_parts(qt)
+        y2 = None
+        for row_index, part in parts.dense:
+            xp = x2 if row_index is None else self.builder_.emit(
+                relax.op.take(x2, relax.const(row_index), axis=1, mode="clip"))
+            yp = self._emit_dense(xp, rows, part)
+            y2 = yp if y2 is None else self.builder_.emit(relax.op.add(y2, yp))
+        if parts.sparse is not None:
+            y2 = self.builder_.emit(relax.op.add(y2, self._emit_sparse(x2, rows, qt, parts.sparse)))
+        return relax.op.reshape(y2, relax.ShapeExpr([*lead, qt.n]))
+
+    def _emit_dense(self, x2, rows, qt: QuantizedTensor):
+        from schedules import column_block
+
+        nb = column_block(self.target)
         weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
         out_ty = relax.TensorType([rows, qt.n], "float32")
-        fmt, k, n = self.fmt, qt.k, qt.n
-        if self._int8_activations(k):
+        fmt, k, n = qt.fmt, qt.k, qt.n
+        if self._int8_activations(fmt, k):
             kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
-            quant = self._kernel("quantize_act", lambda: ops.quantize_activations_func(fmt, k), k)
+            quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k), k)
             acts = self.builder_.emit(relax.op.call_tir(quant, relax.Tuple([x2]), [
                 relax.TensorType([rows, kp], "int8"),
                 relax.TensorType([rows, kp // ops.ACT_BLOCK], "float32"),
                 relax.TensorType([rows, groups], "float32")]))
             args = [self.builder_.emit(relax.TupleGetItem(acts, i)) for i in range(3)]
-            kernel = self._kernel("qmatmul_a8", lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
+            kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
         else:
             args = [x2]
-            kernel = self._kernel("qmatmul", lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
-        y2 = self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([*args, *weights]), out_ty))
-        return relax.op.reshape(y2, relax.ShapeExpr([*lead, qt.n]))
+            kernel = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+        return self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([*args, *weights]), out_ty))
+
+    def _emit_sparse(self, x2, rows, qt: QuantizedTensor, csr):
+        """Sparse fp16 outliers: a small gather-reduce, scheduled by TVM's defaults."""
+        from qtvm.formats.mixed import sparse_outlier_arrays, sparse_outlier_func
+
+        longest = int(np.diff(csr[0]).max(initial=0))  # the kernel's reduction extent
+        kernel = self._kernel("outliers", qt.fmt, lambda: sparse_outlier_func(csr, qt.k, qt.n),
+                              qt.k, qt.n, len(csr[2]), longest)
+        arrays = [relax.const(a) for a in sparse_outlier_arrays(csr)]
+        return self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([x2, *arrays]),
+                                                    relax.TensorType([rows, qt.n], "float32")))
 
 
 ACTIVATIONS = ("fp32", "int8")

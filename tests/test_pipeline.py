@@ -71,3 +71,25 @@ def test_float_build_matches_onnxruntime(mlp_path, tmp_path):
     got = runtime.load(out).run({"x": x})
     want = ort.InferenceSession(str(mlp_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5)
+
+
+FAMILY_PRESETS = ["int3-g128", "int2-g64", "int8-g128", "int4-col", "int4-g128-qz", "mixed-2-4-16"]
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_every_family_compiles_the_bundled_model(tiny_llama_path, tmp_path, preset):
+    """One artefact per preset; matches ORT on the same format's dequantized weights.
+
+    mixed-2-4-16 also covers two layers sharing a shape but not their outlier layout.
+    """
+    from qtvm import runtime
+    from qtvm.pipeline import compile_model
+
+    result = compile_model(tiny_llama_path, tmp_path / "m.so", "host", preset)
+    module = runtime.load(result.path)
+    ids = np.random.default_rng(7).integers(0, 512, (2, 9)).astype(np.int64)
+    got = module.run({"input_ids": ids})["logits"]
+    deq = dequantized_model(onnx.load(str(tiny_llama_path)), get_format(preset))
+    want = ort.InferenceSession(deq.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+    assert result.metadata["quantized_matmuls"] == 15

@@ -94,6 +94,22 @@ class QuantFormat(ABC):
     def te_group_coefs(self, load: ArrayLoader, g) -> tuple[list, object]:
         """([coefficient per term], offset) of group ``g`` at the current column."""
 
+    def kernel_parts(self, qt: QuantizedTensor) -> "KernelParts":
+        """How the compiler runs this tensor: by default one kernel on all rows.
+
+        Composite formats (mixed precision) split W into row subsets, each a
+        tensor of a simpler format, plus an optional sparse correction.
+        """
+        return KernelParts([(None, qt)], None)
+
+
+@dataclass(frozen=True)
+class KernelParts:
+    """x @ W == sum_i x[:, rows_i] @ W_i  (+ x @ S for a CSR (indptr, indices, values) S)."""
+
+    dense: list  # [(row indices into K or None for all rows, QuantizedTensor)]
+    sparse: tuple | None
+
 
 def check_weight(w: np.ndarray, what: str = "weight") -> np.ndarray:
     """Reject what no quantizer can represent, naming the tensor."""

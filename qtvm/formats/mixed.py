@@ -82,7 +82,7 @@ from tvm import te, tirx
 
 from qtvm.errors import QtvmError
 from qtvm.formats import register
-from qtvm.formats.base import QuantFormat, QuantizedTensor, check_weight
+from qtvm.formats.base import KernelParts, QuantFormat, QuantizedTensor, check_weight
 from qtvm.formats.gptq import calibration_hessian, damped_inverse_factor
 from qtvm.formats.uniform import VALID_BITS, VALID_GROUPS, UniformFormat
 
@@ -315,6 +315,12 @@ class MixedFormat(QuantFormat):
         a = qt.arrays
         indptr = a["outlier_indptr"] if len(a["outlier_indptr"]) else np.zeros(qt.n + 1, np.int32)
         return indptr, a["outlier_indices"], a["outlier_values"]
+
+    def kernel_parts(self, qt: QuantizedTensor) -> KernelParts:
+        """Two uniform kernels on gathered activations plus the CSR outliers."""
+        idx4, part4, idx2, part2, csr = mixed_parts(qt)
+        dense = [(idx.astype(np.int64), part) for idx, part in ((idx4, part4), (idx2, part2)) if part is not None]
+        return KernelParts(dense, csr if len(csr[2]) else None)
 
     def dequantize_reference(self, qt: QuantizedTensor) -> np.ndarray:
         idx4, w4, idx2, w2, _ = self.parts_float(qt)
