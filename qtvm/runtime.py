@@ -1,7 +1,8 @@
 """Thin runtime: load an artefact and run it, with only libtvm_runtime loaded.
 
-Importing this module before ``tvm`` sets TVM_USE_RUNTIME_LIB=1, so a
-deployment process never maps the compiler library. The API is user-facing:
+Importing this module before ``tvm`` imports tvm with TVM_USE_RUNTIME_LIB=1,
+so a deployment process never maps the compiler library; the variable is
+then restored, so child processes get a normal TVM. The API is user-facing:
 
     m = qtvm.runtime.load("model.so")
     m.inputs, m.outputs          # [{name, dtype, shape}], symbolic dims by name
@@ -11,13 +12,29 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
-os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+import numpy as np
 
-import numpy as np  # noqa: E402
+from qtvm.errors import QtvmError
 
-from qtvm.errors import QtvmError  # noqa: E402
+
+def _import_runtime_only_tvm() -> None:
+    if "tvm" in sys.modules:  # a compiler process already: nothing to choose
+        return
+    previous = os.environ.get("TVM_USE_RUNTIME_LIB")
+    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    try:
+        import tvm  # noqa: F401  (loads libtvm_runtime only)
+    finally:
+        if previous is None:
+            del os.environ["TVM_USE_RUNTIME_LIB"]
+        else:
+            os.environ["TVM_USE_RUNTIME_LIB"] = previous
+
+
+_import_runtime_only_tvm()
 
 METADATA_FUNC = "qtvm_metadata"
 

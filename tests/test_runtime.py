@@ -60,6 +60,8 @@ def test_runtime_process_never_maps_compiler(tiny_llama_int4):
         out = m.run({{"input_ids": np.arange(6, dtype=np.int64).reshape(2, 3)}})
         maps = open("/proc/self/maps").read()
         assert "libtvm_runtime" in maps, "runtime library not mapped?"
+        import os
+        assert "TVM_USE_RUNTIME_LIB" not in os.environ, "leaks into child processes"
         print("compiler mapped:", "libtvm_compiler" in maps, "libtvm.so" in maps, out["logits"].shape)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
