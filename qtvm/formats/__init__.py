@@ -22,6 +22,8 @@ for _bits in VALID_BITS:
 # -- families --
 from qtvm.formats import gptq as _gptq  # noqa: E402,F401  int*-qz presets
 from qtvm.formats import mixed as _mixed  # noqa: E402,F401  mixed-2-4-16
+from qtvm.formats import bcq as _bcq  # noqa: F401,E402
+from qtvm.formats import e0m4 as _e0m4  # noqa: F401,E402
 
 
 def get_format(name: str) -> QuantFormat:

@@ -1,0 +1,87 @@
+"""The LUT-GEMM kernel for BCQ weights: compute, x86 rule, numerics on awkward shapes."""
+
+import numpy as np
+import pytest
+import tvm
+
+from qtvm import lut_gemv, ops
+from qtvm.errors import QtvmError
+from qtvm.formats import UniformFormat, get_format
+from qtvm.formats.bcq import BCQFormat, from_uniform
+from schedules import RULES, schedule_kernel
+from schedules.x86_lut import schedule_lut_gemv_x86
+
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
+NB = 64
+
+
+def _rel_err(got, ref):
+    return np.abs(got - ref).max() / np.abs(ref).max()
+
+
+def test_func_carries_kernel_and_format_attrs():
+    func = lut_gemv.lut_gemv_func(get_format("bcq3-g128"), 1000, 37, NB)
+    assert str(func.attrs[ops.KERNEL_ATTR]) == "lut_gemv"
+    desc = func.attrs[ops.FORMAT_ATTR]
+    assert str(desc["family"]) == "bcq" and int(desc["planes"]) == 3 and int(desc["mu"]) == 8
+    assert int(desc["padded_k"]) == 1024 and int(desc["group"]) == 128
+    # Same arguments as qmatmul: x, bits, alpha, bias, y.
+    dense = ops.qmatmul_func(get_format("bcq3-g128"), 1000, 37, NB)
+    assert [p.name for p in func.params] == [p.name for p in dense.params]
+
+
+def test_rejects_non_bcq_formats():
+    with pytest.raises(QtvmError, match="needs a BCQ format"):
+        lut_gemv.lut_gemv_func(get_format("int4-g128"), 256, 8, NB)
+
+
+def test_rule_only_takes_lut_kernels_on_llvm():
+    fmt = get_format("bcq2-g32")
+    assert schedule_lut_gemv_x86.__name__ in {r.__name__ for r in RULES}
+    assert schedule_lut_gemv_x86(ops.qmatmul_func(fmt, 64, 8, NB), TARGET) is None
+    lut = lut_gemv.lut_gemv_func(fmt, 64, 8, NB)
+    assert schedule_lut_gemv_x86(lut, tvm.target.Target({"kind": "c"})) is None
+    assert schedule_lut_gemv_x86(lut, TARGET) is not None
+
+
+def test_numpy_table_reference_matches_dense():
+    rng = np.random.default_rng(0)
+    qt = get_format("bcq3-g32").quantize(rng.standard_normal((300, 37)).astype(np.float32))
+    x = rng.standard_normal((5, 300))
+    ref = x @ qt.dequantize().astype(np.float64)
+    assert _rel_err(lut_gemv.reference(x, qt), ref) < 1e-6  # the dequantized matrix is fp32-rounded
+
+
+@pytest.mark.parametrize("fmt, k, n", [
+    (get_format("bcq3-g128"), 1000, 37), (get_format("bcq2-g32"), 300, 1), (get_format("bcq4-g64"), 1000, 1),
+    (get_format("bcq3-g64"), 300, 37),
+    (BCQFormat(1, 256), 1000, 5),  # one plane: no plane loop left after compute_at
+    (BCQFormat(2, 16), 100, 37),  # half-word groups; an extra all-padding group
+    (BCQFormat(3, None), 300, 1),  # one group per column
+], ids=lambda v: getattr(v, "name", v))
+def test_scheduled_kernel_matches_reference(fmt, k, n):
+    rng = np.random.default_rng(k + n)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    deq = qt.dequantize().astype(np.float64)
+    func = schedule_kernel(lut_gemv.lut_gemv_func(qt.fmt, k, n, NB), TARGET)  # through RULES
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    weights = [tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)]
+    for m in (1, 17):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
+        lib["main"](tvm.runtime.tensor(x), *weights, out)
+        assert _rel_err(out.numpy(), x.astype(np.float64) @ deq) < 1e-5
+        assert _rel_err(out.numpy(), lut_gemv.reference(x, qt)) < 1e-5
+
+
+def test_kernel_on_uniform_weights_converted_to_bcq():
+    """int4-g128 weights run through the LUT kernel via the exact BCQ conversion."""
+    rng = np.random.default_rng(3)
+    uq = UniformFormat(4, 128).quantize(rng.standard_normal((300, 37)).astype(np.float32))
+    bq = from_uniform(uq)
+    func = schedule_lut_gemv_x86(lut_gemv.lut_gemv_func(bq.fmt, 300, 37, NB), TARGET).mod
+    lib = tvm.compile(func, target=TARGET)
+    x = rng.standard_normal((17, 300)).astype(np.float32)
+    out = tvm.runtime.tensor(np.zeros((17, 37), np.float32))
+    lib["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(bq, NB)], out)
+    assert _rel_err(out.numpy(), x.astype(np.float64) @ uq.dequantize().astype(np.float64)) < 1e-5
