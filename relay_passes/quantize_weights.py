@@ -21,6 +21,7 @@ from schedules import schedule_kernel
 MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
+GEMV_MAX_ROWS = 2  # above this, dequantizing a tile once beats re-unpacking per row (measured M = 3)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class QuantizeReport:
     layers: list[QuantizedMatmul] = field(default_factory=list)
     float_matmuls: int = 0  # weight is computed at run time
     fp32_activation_fallbacks: list[str] = field(default_factory=list)  # int8 asked, not possible
+    dispatch_functions: int = 0
 
     @property
     def packed_bytes(self) -> int:
@@ -146,9 +148,33 @@ class _Rewriter(PyExprMutator):
             args = [self.builder_.emit(relax.TupleGetItem(acts, i)) for i in range(3)]
             kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
         else:
-            args = [x2]
-            kernel = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+            return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, weights, nb), [x2]))
         return self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([*args, *weights]), out_ty))
+
+    def _dispatch_by_rows(self, qt: QuantizedTensor, weights, nb: int) -> tvm.ir.GlobalVar:
+        """A private function choosing at run time: GEMV for decode-sized M, else the
+        dequantize-once GEMM (measured crossover: M = 3). Relax allows ``If`` only
+        outside dataflow blocks, hence a function of its own."""
+        from qtvm.ops_gemm import qmatmul_gemm_func
+
+        fmt, k, n = qt.fmt, qt.k, qt.n
+        gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+        gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
+        m = tvm.tirx.Var("m", "int64")
+        x = relax.Var("x", relax.TensorType([m, k], "float32"))
+        out_ty = relax.TensorType([m, n], "float32")
+
+        def branch(kernel):
+            y = relax.Var("y", out_ty)
+            call = relax.op.call_tir(kernel, relax.Tuple([x, *weights]), out_ty)
+            return relax.SeqExpr([relax.BindingBlock([relax.VarBinding(y, call)])], y)
+
+        result = relax.Var("y", out_ty)
+        choose = relax.If(relax.prim_value(m <= GEMV_MAX_ROWS), branch(gemv), branch(gemm))
+        body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, choose)])], result)
+        func = relax.Function([x], body, out_ty, is_pure=True)  # private: no global symbol
+        self.report.dispatch_functions += 1
+        return self.builder_.add_func(func, f"qmatmul_dispatch_{len(self.report.layers)}")
 
     def _emit_sparse(self, x2, rows, qt: QuantizedTensor, csr):
         """Sparse fp16 outliers: a small gather-reduce, scheduled by TVM's defaults."""

@@ -8,11 +8,15 @@ from __future__ import annotations
 import tvm
 
 from qtvm.errors import QtvmError
-from schedules import x86
+from schedules import x86, x86_gemm, x86_lut
 
-RULES = [x86.schedule_qmatmul_x86, x86.schedule_qmatmul_a8_x86, x86.schedule_quantize_activations_x86]
-from schedules import x86_lut  # noqa: E402
-RULES.append(x86_lut.schedule_lut_gemv_x86)
+RULES = [
+    x86.schedule_qmatmul_x86,
+    x86.schedule_qmatmul_a8_x86,
+    x86.schedule_quantize_activations_x86,
+    x86_gemm.schedule_qmatmul_gemm_x86,
+    x86_lut.schedule_lut_gemv_x86,
+]
 
 
 def schedule_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.tirx.PrimFunc:

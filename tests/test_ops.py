@@ -7,7 +7,6 @@ import tvm
 
 from qtvm import ops
 from qtvm.formats import get_format
-from qtvm.intrin import x86 as intrin
 from qtvm.runtime import _host_cpu_flags
 from schedules import schedule_kernel
 

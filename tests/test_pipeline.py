@@ -18,7 +18,8 @@ def sessions(tiny_llama_path):
             ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]))
 
 
-@pytest.mark.parametrize("batch,seq", [(1, 5), (1, 33), (2, 5), (2, 33)])
+# M = batch * seq rows: 1 and 2 take the GEMV branch, the others the GEMM (prefill) branch.
+@pytest.mark.parametrize("batch,seq", [(1, 1), (2, 1), (1, 5), (1, 33), (2, 5), (2, 33)])
 def test_one_artefact_matches_ort_dequantized(tiny_llama_int4, sessions, batch, seq):
     from qtvm import runtime
 

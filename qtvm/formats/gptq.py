@@ -264,7 +264,7 @@ def gptq_quantize(w: np.ndarray, calib_x: np.ndarray, fmt: UniformFormat, *, blo
     u = damped_inverse_factor(h[np.ix_(order, order)], percdamp)
     codes, scales, zeros = _gptq_rows(w.astype(np.float64)[order], u, fmt, int(block_size))
 
-    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    gs = fmt.group_size_for(k)
     stored = np.repeat(zeros, gs, axis=0).astype(np.uint32)  # padding rows: zero point, weight 0
     stored[:k][order] = codes
     arrays = {"qweight": fmt.pack(stored), "scales": scales, "zeros": zeros}

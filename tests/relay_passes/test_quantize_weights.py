@@ -16,37 +16,30 @@ from tests.conftest import mlp_model
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
 
 
-def _call_tir_targets(mod):
-    names = []
-
-    def visit(e):
-        if isinstance(e, relax.Call) and e.op == tvm.ir.Op.get("relax.call_tir"):
-            names.append(e.args[0].name_hint)
-
-    relax.analysis.post_order_visit(mod["main"], visit)
-    return names
-
-
 @pytest.mark.parametrize("preset", ["int4-g32", "int4-col", "int3-g64", "int8-g128"])
 def test_rewrites_gemm_transb_and_matmul(preset):
     model = mlp_model()
     mod, report = quantize_weights(import_onnx(model), get_format(preset), TARGET)
     assert [(layer.k, layer.n) for layer in report.layers] == [(100, 70), (70, 37)]
     assert report.float_matmuls == 1  # x @ x^T
-    kernels = _call_tir_targets(mod)
-    assert len(kernels) == 2 and all(name.startswith("qmatmul_") for name in kernels)
+    kernels = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {name.split("_" + preset.replace("-", "_"))[0] for name in kernels if "qmatmul" in name} == \
+        {"qmatmul", "qmatmul_gemm"}  # decode GEMV and prefill GEMM, chosen at run time by M
     ex = tvm.compile(mod, target=TARGET)
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    x = np.random.default_rng(0).standard_normal((17, 100)).astype(np.float32)
-    y, gram = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
-    ref = ort.InferenceSession(dequantized_model(model, get_format(preset)).SerializeToString(),
-                               providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    assert np.abs(y - ref[0]).max() / np.abs(ref[0]).max() < 1e-5
-    np.testing.assert_allclose(gram, ref[1], rtol=1e-5, atol=1e-4)
+    session = ort.InferenceSession(dequantized_model(model, get_format(preset)).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    for rows in (1, 2, 17):  # both sides of the GEMV/GEMM dispatch
+        x = np.random.default_rng(rows).standard_normal((rows, 100)).astype(np.float32)
+        y, gram = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
+        ref = session.run(None, {"x": x})
+        assert np.abs(y - ref[0]).max() / np.abs(ref[0]).max() < 1e-5
+        np.testing.assert_allclose(gram, ref[1], rtol=1e-5, atol=1e-4)
 
 
 def test_same_shape_shares_one_kernel():
     model = mlp_model(k=64, hidden=64, n=64)
     mod, report = quantize_weights(import_onnx(model), get_format("int4-g32"), TARGET)
     assert len(report.layers) == 2
-    assert len(set(_call_tir_targets(mod))) == 1
+    kernels = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert sorted(kernels) == ["qmatmul_gemm_int4_g32_64x64", "qmatmul_int4_g32_64x64"]
