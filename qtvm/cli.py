@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default="host")
     d.add_argument("--quant", default="int4-g128")
     d.set_defaults(fn=_cmd_demo)
+
+    from qtvm.report import add_report_parser
+
+    add_report_parser(sub)  # qtvm quantize-report
     return p
 
 

@@ -1,0 +1,650 @@
+"""`qtvm quantize-report`: what each weight format does to a model's weights and outputs.
+
+For every MatMul/Gemm whose weight (input B) is a constant initializer -- the
+rule of ``qtvm.reference`` (a Gemm with ``transB`` has its B transposed to
+[K, N]; a weight shared by several nodes counts once; non-2-D or non-float32
+initializers are skipped) -- and every preset, the report gives
+
+- bits per weight counted from the stored arrays (``QuantizedTensor.bits_per_weight``:
+  codes, scales, zeros, outliers, padding, everything the format keeps);
+- max abs error, mean abs error and relative Frobenius error
+  ||W - W_q||_F / ||W||_F of the dequantized weight;
+
+and per preset the model-level error: onnxruntime runs the float model and the
+model with every such weight replaced by its dequantized value (the model
+``qtvm.reference.dequantized_model`` builds; here built from the same quantized
+tensors the per-layer numbers come from, so each weight is quantized once), and
+each float output is compared: max abs error, relative max error
+(max |y - y_q| / max |y|), and cosine similarity of the output rows (vectors along
+the last axis: mean and min over rows) and of the whole flattened output.
+
+Inputs. ``inputs`` (``--input NAME=FILE.npy``) are the model inputs of the output
+comparison; ``calib`` (``--calib-input NAME=FILE.npy``) those of calibration.
+Either one alone serves both (then calibrated formats are judged on the data
+they were calibrated on, which flatters them: GPTQ with fewer samples than K
+can fit those very activations almost exactly). Without either, synthetic inputs
+are made, from ``seed`` for the comparison and ``seed + 1`` for calibration: a
+symbolic first dim is 2, other symbolic dims 16; an integer input
+that indexes a Gather of a constant table gets random ids below the table's
+first dimension, other integer inputs (masks) are ones, float inputs are
+standard normal.
+
+Calibration. Formats whose ``quantize`` takes ``calib_x`` (mixed-2-4-16 uses it
+for its Hessian sensitivity) and GPTQ rows (``gptq:<uniform preset>``, e.g.
+``gptq:int4-g128``, through ``qtvm.formats.gptq.gptq_quantize``) need each
+layer's input activations X [S, K]. They are collected from one onnxruntime run
+of the *float* model on the inputs above, with each layer's input tensor (MatMul
+input A; a Gemm with ``transA`` contributes A^T) added as an extra graph output;
+the tensor is reshaped to [-1, K] (every position of every batch row is a sample,
+padding included), and a weight shared by several nodes gets their rows
+concatenated. Every layer is calibrated on float activations (GPTQ's reference
+implementation instead feeds each layer the outputs of the already-quantized
+layers before it).
+
+Nothing here imports tvm, numpy or onnx at module level, so the CLI stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from qtvm.errors import QtvmError
+
+DEFAULT_PRESETS = ("int2-g64", "int3-g128", "int4-g128", "int8-g128", "bcq3-g128", "e0m4-g128", "mixed-2-4-16")
+GPTQ_PREFIX = "gptq:"
+SYNTH_BATCH, SYNTH_DIM = 2, 16
+
+
+# -- results ---------------------------------------------------------------------------
+@dataclass
+class LayerError:
+    preset: str
+    node: str  # the consuming MatMul/Gemm (first one if the weight is shared)
+    weight: str  # initializer name
+    k: int
+    n: int
+    bits_per_weight: float
+    max_abs_err: float
+    mean_abs_err: float
+    rel_fro_err: float
+
+
+@dataclass
+class OutputError:
+    name: str
+    max_abs_err: float
+    rel_max_err: float
+    cos_mean: float  # cosine similarity of rows along the last axis
+    cos_min: float
+    cos_flat: float  # cosine similarity of the whole flattened output
+
+
+@dataclass
+class FormatSummary:
+    preset: str
+    calibrated: bool
+    bits_per_weight: float  # stored bits / weights over all quantized weights
+    mean_rel_fro_err: float  # mean over layers
+    mean_abs_err: float  # over all weights (weight-count weighted)
+    max_abs_err: float
+    outputs: list[OutputError]
+    seconds: float
+
+
+@dataclass
+class Report:
+    model: str
+    presets: list[str]
+    weights: int  # number of quantized weight matrices
+    weight_count: int  # scalars in them
+    inputs: dict  # of the output comparison: name -> {"shape", "dtype", "source"}
+    calibration_inputs: dict | str  # the same, or "same as inputs"
+    layers: list[LayerError] = field(default_factory=list)
+    summary: list[FormatSummary] = field(default_factory=list)
+    # With keep_outputs=True: the float model's outputs ("float") and each preset's (not in the JSON).
+    outputs: dict = field(default_factory=dict, repr=False)
+
+    # -- queries ------------------------------------------------------------------
+    def format_summary(self, preset: str) -> FormatSummary:
+        for s in self.summary:
+            if s.preset == preset:
+                return s
+        raise QtvmError(f"the report has no preset '{preset}'", f"it has: {', '.join(self.presets)}")
+
+    def layer_errors(self, preset: str) -> list[LayerError]:
+        self.format_summary(preset)
+        return [row for row in self.layers if row.preset == preset]
+
+    def mae_ratio(self, preset: str, baseline: str) -> float:
+        """MAE(preset) / MAE(baseline) over all quantized weights (Transformer-Lite Table 2 style)."""
+        den = self.format_summary(baseline).mean_abs_err
+        return self.format_summary(preset).mean_abs_err / den if den else math.inf
+
+    # -- output --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {f: getattr(self, f) for f in ("model", "presets", "weights", "weight_count", "inputs",
+                                           "calibration_inputs")}
+        d["layers"] = [asdict(r) for r in self.layers]
+        d["summary"] = [asdict(s) for s in self.summary]
+        return _finite(d)
+
+    def write_json(self, path: str | os.PathLike) -> Path:
+        """Atomic: the file is either the complete report or untouched."""
+        path = _check_json_path(path)
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def layer_table(self) -> str:
+        head = ["layer", "weight", "K x N", "format", "bits/w", "max|err|", "mean|err|", "rel.Frob"]
+        order: dict[str, int] = {}
+        for r in self.layers:
+            order.setdefault(r.weight, len(order))
+        ranked = sorted(self.layers, key=lambda r: (order[r.weight], self.presets.index(r.preset)))
+        rows = [[r.node, r.weight, f"{r.k}x{r.n}", r.preset, f"{r.bits_per_weight:.3f}", _g(r.max_abs_err),
+                 _g(r.mean_abs_err), _g(r.rel_fro_err)] for r in ranked]
+        return _text_table(head, rows)
+
+    def summary_table(self, markdown: bool = False) -> str:
+        head = ["format", "bits/w", "mean rel.Frob", "weight MAE", "output", "out max|err|", "out rel.max",
+                "cos mean", "cos min", "seconds"]
+        rows = []
+        for s in self.summary:
+            for i, o in enumerate(s.outputs or [None]):
+                first = [s.preset + (" (calibrated)" if s.calibrated else ""), f"{s.bits_per_weight:.3f}",
+                         _g(s.mean_rel_fro_err), _g(s.mean_abs_err)] if i == 0 else ["", "", "", ""]
+                out = ([o.name, _g(o.max_abs_err), _g(o.rel_max_err), f"{o.cos_mean:.5f}", f"{o.cos_min:.5f}"]
+                       if o else ["-", "-", "-", "-", "-"])
+                rows.append(first + out + [f"{s.seconds:.1f}" if i == 0 else ""])
+        return _markdown_table(head, rows) if markdown else _text_table(head, rows)
+
+
+def _g(x: float) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
+
+
+def _finite(obj):
+    """NaN/Inf -> None so the JSON is strict."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _text_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _check_json_path(path) -> Path:
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise QtvmError(f"--json path '{path}' is a directory", "give a file name such as report.json")
+    if not parent.is_dir():
+        raise QtvmError(f"--json directory '{parent}' does not exist", "create it first or choose another path")
+    return path
+
+
+# -- presets ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Preset:
+    name: str
+    fmt: object  # QuantFormat
+    gptq: bool
+    calibrated: bool
+
+
+def resolve_presets(names) -> list[_Preset]:
+    """Validate every name first (all unknown names reported at once)."""
+    import inspect
+
+    from qtvm.formats import PRESETS
+    from qtvm.formats.uniform import UniformFormat
+
+    names = [n.strip() for n in names if n and n.strip()]
+    if not names:
+        raise QtvmError("no formats to report on", f"pass e.g. --formats {','.join(DEFAULT_PRESETS[:3])}")
+    out, bad = [], []
+    for name in dict.fromkeys(names):
+        base = name.removeprefix(GPTQ_PREFIX)
+        fmt = PRESETS.get(base)
+        if fmt is None:
+            bad.append(name)
+            continue
+        if name.startswith(GPTQ_PREFIX):
+            if not isinstance(fmt, UniformFormat):
+                raise QtvmError(f"'{name}': GPTQ quantizes to uniform formats only, not {base}",
+                                "use gptq:<intB-gG>, e.g. gptq:int4-g128")
+            out.append(_Preset(name, fmt, True, True))
+        else:
+            takes_calib = "calib_x" in inspect.signature(fmt.quantize).parameters
+            out.append(_Preset(name, fmt, False, takes_calib))
+    if bad:
+        raise QtvmError(f"unknown format preset{'s' if len(bad) > 1 else ''} {', '.join(repr(b) for b in bad)}",
+                        f"valid presets: {', '.join(PRESETS)}; and gptq:<uniform preset> (e.g. gptq:int4-g128)")
+    return out
+
+
+# -- the model's weights ---------------------------------------------------------------------
+@dataclass
+class _Weight:
+    init_name: str
+    nodes: list[str]
+    act_inputs: list[tuple[str, bool]]  # (node input A, transA)
+    trans_b: bool
+    k: int
+    n: int
+
+
+def constant_weights(model) -> list[_Weight]:
+    """The weights ``qtvm.reference.dequantized_model`` replaces, with their consumers.
+
+    Raises QtvmError when there are none, or when one holds NaN/Inf (naming it).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    from qtvm.formats.base import check_weight
+    from qtvm.reference import _weight_inputs
+
+    # The same rule as qtvm.reference: one (initializer, transB) per qualifying node, in node order.
+    pairs = list(_weight_inputs(model))
+    names = {t.name for t, _ in pairs}
+    consumers = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx")
+                 and len(n.input) > 1 and n.input[1] in names]
+    by_name: dict[str, _Weight] = {}
+    for i, ((init, trans_b), node) in enumerate(zip(pairs, consumers)):
+        assert node.input[1] == init.name, "qtvm.reference._weight_inputs changed its rule"
+        node_name = node.name or f"{node.op_type}_{i}"
+        trans_a = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
+        if init.name in by_name:  # shared: quantized once (as its first consumer sees it), calibrated by all
+            if by_name[init.name].trans_b == trans_b:
+                by_name[init.name].nodes.append(node_name)
+                by_name[init.name].act_inputs.append((node.input[0], trans_a))
+            continue
+        if len(init.dims) != 2 or init.data_type != onnx.TensorProto.FLOAT:  # as dequantized_model
+            continue
+        k, n = (init.dims[1], init.dims[0]) if trans_b else (init.dims[0], init.dims[1])
+        by_name[init.name] = _Weight(init.name, [node_name], [(node.input[0], trans_a)], trans_b, int(k), int(n))
+    if not by_name:
+        consts = {n.output[0] for n in model.graph.node if n.op_type == "Constant"}
+        from_const = sum(1 for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
+                         and n.input[1] in consts)
+        hint = (f"{from_const} MatMul/Gemm take their weight from Constant nodes: store them as initializers"
+                if from_const else "export with constant folding so Linear weights become MatMul/Gemm initializers")
+        raise QtvmError("the model has no MatMul/Gemm with a constant float32 2-D weight initializer, so there is "
+                        "nothing to quantize", hint)
+    inits = {t.name: t for t in model.graph.initializer}
+    for w in by_name.values():
+        check_weight(numpy_helper.to_array(inits[w.init_name]), _what(w))
+    return list(by_name.values())
+
+
+def _what(w: _Weight) -> str:
+    return f"weight '{w.init_name}' of {w.nodes[0]}"
+
+
+def _kn(model_inits: dict, w: _Weight):
+    import numpy as np
+    from onnx import numpy_helper
+
+    a = numpy_helper.to_array(model_inits[w.init_name]).astype(np.float32, copy=False)
+    return np.ascontiguousarray(a.T if w.trans_b else a)
+
+
+# -- inputs -------------------------------------------------------------------------------------
+def graph_inputs(model) -> list:
+    inits = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in inits]
+
+
+def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict]:
+    """(feeds, description): the given inputs checked and cast, or synthetic ones (module doc)."""
+    import numpy as np
+    from onnx import helper
+
+    specs = graph_inputs(model)
+    feeds, desc = {}, {}
+    if calib is not None:
+        names = [v.name for v in specs]
+        unknown = sorted(set(calib) - set(names))
+        missing = [n for n in names if n not in calib]
+        if unknown or missing:
+            raise QtvmError(f"inputs do not match the model: unknown {unknown or 'none'}, missing {missing or 'none'}",
+                            f"give exactly the model inputs: {', '.join(names)}")
+    rng = np.random.default_rng(seed)
+    inits = {t.name: t for t in model.graph.initializer}
+    for v in specs:
+        tt = v.type.tensor_type
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        dims = list(tt.shape.dim) if tt.HasField("shape") else None
+        if calib is not None:
+            arr = np.asarray(calib[v.name])
+            if dims is not None:
+                if arr.ndim != len(dims):
+                    raise QtvmError(f"input '{v.name}' has {arr.ndim} dims but the model expects {len(dims)}",
+                                    "reshape the array")
+                for i, d in enumerate(dims):
+                    if d.HasField("dim_value") and d.dim_value != arr.shape[i]:
+                        raise QtvmError(f"input '{v.name}' has shape {list(arr.shape)} but dim {i} must be "
+                                        f"{d.dim_value}", "reshape the array")
+            if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+                raise QtvmError(f"input '{v.name}' contains NaN/Inf values", "pass finite inputs")
+            feeds[v.name] = arr.astype(dtype, copy=False)
+            source = "given"
+        else:
+            if dims is None:
+                raise QtvmError(f"input '{v.name}' has no shape in the model, so no synthetic input can be made",
+                                "pass inputs with --input NAME=FILE.npy")
+            shape = [d.dim_value if d.HasField("dim_value") else (SYNTH_BATCH if i == 0 else SYNTH_DIM)
+                     for i, d in enumerate(dims)]
+            if np.issubdtype(dtype, np.floating):
+                feeds[v.name] = rng.standard_normal(shape).astype(dtype)
+                source = "synthetic: standard normal"
+            elif dtype == np.bool_:
+                feeds[v.name] = np.ones(shape, np.bool_)
+                source = "synthetic: all true"
+            else:
+                table = next((inits[n.input[0]] for n in model.graph.node if n.op_type == "Gather"
+                              and len(n.input) > 1 and n.input[1] == v.name and n.input[0] in inits), None)
+                if table is not None and len(table.dims):
+                    feeds[v.name] = rng.integers(0, table.dims[0], shape).astype(dtype)
+                    source = f"synthetic: random ids < {table.dims[0]}"
+                else:
+                    feeds[v.name] = np.ones(shape, dtype)
+                    source = "synthetic: ones"
+        desc[v.name] = {"shape": list(feeds[v.name].shape), "dtype": str(feeds[v.name].dtype), "source": source}
+    return feeds, desc
+
+
+def _session(model):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QtvmError(f"onnxruntime cannot load the model: {first[:300]}",
+                        "check that the model is valid ONNX") from None
+
+
+def _run(sess, feeds: dict, what: str) -> dict:
+    try:
+        names = [o.name for o in sess.get_outputs()]
+        return dict(zip(names, sess.run(names, feeds)))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QtvmError(f"onnxruntime failed to run the {what}: {first[:300]}",
+                        "check the inputs' shapes and dtypes") from None
+
+
+def collect_layer_inputs(model, feeds: dict, weights: list[_Weight]) -> tuple[dict, dict]:
+    """(float outputs, {initializer name: X [S, K] float32}) from one run of the float model.
+
+    Each layer's input tensor is added as an extra graph output (module doc).
+    """
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    outputs = [o.name for o in model.graph.output]
+    have = set(outputs) | set(feeds)
+    for w in weights:
+        for name, _ in w.act_inputs:
+            if name not in have:
+                m.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+                have.add(name)
+    values = _run(_session(m), feeds, "float model with layer inputs as outputs")
+    values.update({k: v for k, v in feeds.items() if k not in values})
+    acts = {}
+    for w in weights:
+        rows = []
+        for name, trans_a in w.act_inputs:
+            a = np.asarray(values[name], np.float32)
+            rows.append((a.T if trans_a else a).reshape(-1, w.k))
+        acts[w.init_name] = np.concatenate(rows) if rows else np.zeros((0, w.k), np.float32)
+    return {k: values[k] for k in outputs}, acts
+
+
+def compare_outputs(ref: dict, got: dict) -> list[OutputError]:
+    import numpy as np
+
+    out = []
+    for name, y in ref.items():
+        y = np.asarray(y)
+        if not np.issubdtype(y.dtype, np.floating):
+            continue
+        y = y.astype(np.float64)
+        q = np.asarray(got[name]).astype(np.float64)
+        diff = np.abs(y - q)
+        max_abs = float(diff.max()) if diff.size else 0.0
+        peak = float(np.abs(y).max()) if y.size else 0.0
+        rel = max_abs / peak if peak else (0.0 if max_abs == 0 else math.inf)
+        rows_y = y.reshape(-1, y.shape[-1]) if y.ndim >= 2 else y.reshape(1, -1)
+        rows_q = q.reshape(rows_y.shape)
+        cos = _cosine(rows_y, rows_q)
+        flat = float(_cosine(y.reshape(1, -1), q.reshape(1, -1))[0]) if y.size else 1.0
+        out.append(OutputError(name, max_abs, rel, float(cos.mean()) if cos.size else 1.0,
+                               float(cos.min()) if cos.size else 1.0, flat))
+    return out
+
+
+def _cosine(a, b):
+    import numpy as np
+
+    na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
+    dot = (a * b).sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = dot / (na * nb)
+    both_zero = (na == 0) & (nb == 0)
+    return np.where(both_zero, 1.0, np.where((na == 0) | (nb == 0), 0.0, cos))
+
+
+# -- the report ---------------------------------------------------------------------------------
+def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *, inputs: dict | None = None,
+                    seed: int = 0, keep_outputs: bool = False, progress=None) -> Report:
+    """Per-layer weight errors and model-level output errors for each preset (module doc).
+
+    ``model``: an ``onnx.ModelProto`` or a path; ``calib``: model inputs by name
+    for calibrated formats; ``inputs``: model inputs for the output comparison.
+    Either alone serves both; neither: synthetic inputs. ``progress``: optional
+    callable taking one line of text; ``keep_outputs``: keep the float and each
+    preset's output arrays in ``Report.outputs``.
+    """
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from qtvm.frontend.onnx import load_onnx
+
+    label = "<in-memory model>"
+    if not isinstance(model, onnx.ModelProto):
+        label = str(model)
+        model = load_onnx(model)
+    chosen = resolve_presets(list(presets))
+    weights = constant_weights(model)
+    separate = (calib is None) == (inputs is None)  # both given, or both synthetic
+    feeds, inputs_desc = prepare_inputs(model, inputs if inputs is not None else calib, seed)
+    cal_feeds, cal_desc = prepare_inputs(model, calib, seed + 1) if separate else (feeds, "same as inputs")
+    inits = {t.name: t for t in model.graph.initializer}
+    float_w = {w.init_name: _kn(inits, w) for w in weights}
+
+    acts = {}
+    if any(p.calibrated for p in chosen):
+        ref, acts = collect_layer_inputs(model, cal_feeds, weights)
+    if separate or not acts:
+        ref = _run(_session(model), feeds, "float model")
+    report = Report(label, [p.name for p in chosen], len(weights), int(sum(w.k * w.n for w in weights)),
+                    inputs_desc, cal_desc)
+    if keep_outputs:
+        report.outputs["float"] = ref
+
+    for p in chosen:
+        start = time.perf_counter()
+        qmodel = onnx.ModelProto()
+        qmodel.CopyFrom(model)
+        qinits = {t.name: t for t in qmodel.graph.initializer}
+        stored_bits = abs_sum = 0.0
+        fro, max_abs = [], 0.0
+        for w in weights:
+            kn = float_w[w.init_name]
+            qt = _quantize(p, kn, acts.get(w.init_name), w)
+            deq = qt.dequantize()
+            diff = deq.astype(np.float64) - kn
+            absd = np.abs(diff)
+            norm = float(np.linalg.norm(kn.astype(np.float64)))
+            err = float(np.linalg.norm(diff))
+            rel = err / norm if norm else (0.0 if err == 0 else math.inf)
+            row = LayerError(p.name, w.nodes[0] + (f" (+{len(w.nodes) - 1} more)" if len(w.nodes) > 1 else ""),
+                             w.init_name, w.k, w.n, float(qt.bits_per_weight), float(absd.max()),
+                             float(absd.mean()), rel)
+            report.layers.append(row)
+            stored_bits += 8.0 * qt.nbytes
+            abs_sum += float(absd.sum())
+            fro.append(rel)
+            max_abs = max(max_abs, row.max_abs_err)
+            stored = np.ascontiguousarray(deq.T if w.trans_b else deq)
+            qinits[w.init_name].CopyFrom(numpy_helper.from_array(stored, w.init_name))
+        got = _run(_session(qmodel), feeds, f"{p.name} model")
+        del qmodel
+        if keep_outputs:
+            report.outputs[p.name] = got
+        summary = FormatSummary(p.name, p.calibrated, stored_bits / report.weight_count, float(np.mean(fro)),
+                                abs_sum / report.weight_count, max_abs, compare_outputs(ref, got),
+                                time.perf_counter() - start)
+        report.summary.append(summary)
+        if progress:
+            o = summary.outputs[0] if summary.outputs else None
+            progress(f"{p.name}: {summary.bits_per_weight:.3f} bits/w, mean rel.Frob {summary.mean_rel_fro_err:.4g}"
+                     + (f", {o.name} cos mean {o.cos_mean:.5f}" if o else "") + f" ({summary.seconds:.1f} s)")
+    return report
+
+
+def _quantize(p: _Preset, kn, x, w: _Weight):
+    what = _what(w)
+    if p.calibrated and (x is None or len(x) == 0):
+        raise QtvmError(f"no calibration activations for {what}", "pass model inputs that reach this layer")
+    if p.gptq:
+        from qtvm.formats.gptq import gptq_quantize
+
+        return gptq_quantize(kn, x, p.fmt, name=what)
+    if p.calibrated:
+        return p.fmt.quantize(kn, calib_x=x, name=what)
+    return p.fmt.quantize(kn, name=what)
+
+
+# -- command line -------------------------------------------------------------------------------
+def _parse_input(text: str):
+    import numpy as np
+
+    if "=" not in text:
+        raise QtvmError(f"--input '{text}' is not NAME=FILE.npy", "e.g. --input input_ids=ids.npy")
+    name, path = text.split("=", 1)
+    if not Path(path).is_file():
+        raise QtvmError(f"input file '{path}' for '{name}' does not exist", "check the path")
+    try:
+        return name, np.load(path, allow_pickle=False)
+    except Exception:
+        raise QtvmError(f"input file '{path}' is not a .npy array", "save it with numpy.save") from None
+
+
+def add_report_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``quantize-report`` to a CLI's subparsers (sets ``fn=report_command``)."""
+    p = subparsers.add_parser(
+        "quantize-report", help="per-layer and model-level quantization error of weight formats on an ONNX model",
+        description="For every MatMul/Gemm with a constant weight and every format: bits/weight counted from the "
+                    "stored arrays, max/mean abs and relative Frobenius weight error; per format: the model "
+                    "outputs' error against the float model (onnxruntime).")
+    p.add_argument("model", help="ONNX file")
+    p.add_argument("--formats", default=",".join(DEFAULT_PRESETS),
+                   help="comma-separated presets (see `qtvm formats`), plus gptq:<uniform preset> for GPTQ "
+                        f"(default: {','.join(DEFAULT_PRESETS)})")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="a model input for the output comparison (and calibration unless --calib-input is "
+                        "given); give every input, or none for synthetic inputs")
+    p.add_argument("--calib-input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="a model input for calibrated formats (mixed-2-4-16, gptq:...); default: --input")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs")
+    p.add_argument("--json", metavar="OUT.json", help="also write the full report as JSON (atomically)")
+    p.add_argument("--summary-only", action="store_true", help="print the per-format summary only")
+    p.set_defaults(fn=report_command)
+    return p
+
+
+def report_command(args) -> int:
+    if args.json:
+        _check_json_path(args.json)  # fail before the work, not after
+    inputs = dict(_parse_input(t) for t in args.input) if args.input else None
+    calib = dict(_parse_input(t) for t in args.calib_input) if args.calib_input else None
+    report = quantize_report(args.model, args.formats.split(","), calib, inputs=inputs, seed=args.seed,
+                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"model: {report.model}: {report.weights} constant MatMul/Gemm weights, {report.weight_count:,} values")
+
+    def describe(feeds: dict) -> str:
+        return "; ".join(f"{k} {v['shape']} {v['dtype']} ({v['source']})" for k, v in feeds.items())
+
+    print(f"inputs: {describe(report.inputs)}")
+    if any(s.calibrated for s in report.summary):
+        cal = report.calibration_inputs
+        print(f"calibration inputs: {cal if isinstance(cal, str) else describe(cal)}")
+    if not args.summary_only:
+        print()
+        print(report.layer_table())
+    print()
+    print(report.summary_table())
+    if args.json:
+        print(f"\nwrote {report.write_json(args.json)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qtvm.report MODEL.onnx ...``: the same command without the qtvm CLI."""
+    parser = argparse.ArgumentParser(prog="python -m qtvm.report")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_report_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "quantize-report":
+        argv = ["quantize-report", *argv]
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except QtvmError as e:
+        print(f"qtvm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
