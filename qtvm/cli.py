@@ -18,7 +18,7 @@ EXIT_INTERNAL = 3
 def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
 
-    result = compile_model(args.model, args.output, args.target, args.quant, args.act)
+    result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -82,6 +82,12 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    from schedules.tune import tune_command  # imports MetaSchedule: only for this command
+
+    return tune_command(args)
+
+
 def _cmd_demo(args) -> int:
     from qtvm.demo import run_demo
 
@@ -101,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--act", choices=("fp32", "int8"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), or int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error)")
+    c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "
+                                                 "than the analytic schedule use the tuned schedule")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
     c.set_defaults(fn=_cmd_compile)
 
@@ -123,7 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quant", default="int4-g128")
     d.set_defaults(fn=_cmd_demo)
 
-    from qtvm.report import add_report_parser
+    t = sub.add_parser("tune", help="MetaSchedule-tune the packed kernels of a model (seeded by the analytic "
+                                     "schedule) into a database that `qtvm compile --db` reuses")
+    t.add_argument("model", help="ONNX file")
+    t.add_argument("--target", default="host",
+                   help="'host', a classic string such as llvm -mcpu=znver2 (quoted or not), or JSON; "
+                        "it must run on this machine")
+    t.add_argument("--trials", type=int, default=32, help="measured schedules in all (default 32)")
+    t.add_argument("--db", required=True, metavar="DIR", help="tuning database directory (created if missing)")
+    t.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`)")
+    t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
+    t.set_defaults(fn=_cmd_tune)
+
+    from qtvm.report import add_report_parser  # argparse only; the report imports lazily
 
     add_report_parser(sub)  # qtvm quantize-report
     return p

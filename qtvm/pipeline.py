@@ -54,7 +54,7 @@ def _metadata_function(meta: dict) -> relax.Function:
 
 
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
-                 activations: str = "fp32"):
+                 activations: str = "fp32", db: str | os.PathLike | None = None):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export."""
     from relay_passes.quantize_weights import quantize_weights
     from relay_passes.safe_gather import safe_gather
@@ -81,6 +81,11 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         if report.fp32_activation_fallbacks:
             notes.append(f"int8 activations not available for {len(report.fp32_activation_fallbacks)} matmuls "
                          f"({'; '.join(sorted(set(report.fp32_activation_fallbacks)))}): they keep fp32 activations")
+        if db is not None:
+            from schedules.tune import apply_database
+
+            mod, db_notes = apply_database(mod, target, db)
+            notes.extend(db_notes)
         if summary.float_matmuls:
             notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
                          f"constant ({', '.join(summary.float_matmuls[:4])}"
@@ -90,12 +95,12 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
 
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
-                  activations: str = "fp32") -> CompileResult:
+                  activations: str = "fp32", db: str | os.PathLike | None = None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched."""
     start = time.perf_counter()
     out = check_output_path(out)
     target = parse_target(target) if isinstance(target, str) else target
-    mod, meta, summary, notes = build_module(model_path, target, quant, activations)
+    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db)
     ex = tvm.compile(mod, target=target)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)

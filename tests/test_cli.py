@@ -128,3 +128,25 @@ def test_formats_lists_presets():
     assert proc.returncode == 0
     for preset in ("int4-g128", "int3-g128", "int2-g64", "int8-g128", "int4-col"):
         assert preset in proc.stdout
+
+
+def test_compile_with_empty_tuning_db_warns_and_uses_analytic(mlp_path, tmp_path):
+    (tmp_path / "db").mkdir()
+    out = tmp_path / "mlp.so"
+    proc = qtvm("compile", mlp_path, "--target", "host", "--db", tmp_path / "db", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: tuning database" in proc.stdout and "using analytic schedules" in proc.stdout
+    assert out.is_file()
+
+
+def test_run_command_never_loads_the_compiler(tmp_path):
+    """Building the CLI parser (all subcommands) must not import tvm."""
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, qtvm.cli
+        qtvm.cli.build_parser()
+        print("tvm imported:", "tvm" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "tvm imported: False", proc.stderr
