@@ -111,6 +111,7 @@ def test_int8_dot_asm(isa, pattern, register):
     for instr in pattern:
         assert any(instr in line and register in line for line in asm.splitlines()), instr
     assert "vpextrd" not in asm and "vpextrb" not in asm
+    assert "prefetcht0" in asm  # the weight stream is prefetched ahead
 
 
 def test_fp32_unpack_asm_avx512():

@@ -7,11 +7,18 @@ sum_j x[j] * code_j(w) into int32. Codes are unpacked by byte planes: plane p
 activations are stored plane-major (``plane_order``) and each plane's four
 bytes are one broadcast int32. The dot is ``vpdpbusd`` (VNNI) or
 ``pmaddubsw`` + ``pmaddwd`` (AVX2/AVX-512BW): codes are the unsigned operand.
+Each call also prefetches the weight stream ``PREFETCH_WORDS`` ahead (a hint:
+past the end of the array it reads nothing and cannot fault).
 """
 from __future__ import annotations
 
 from tvm import s_tir
 from tvm.script import tirx as T
+
+# Software prefetch distance: 2 KiB ahead in the weight stream (8 rows of a
+# 64-column block). Measured +6% at 2 threads from DRAM (24.2 -> 25.7 GB/s,
+# 3 interleaved runs each), where the hardware prefetcher alone falls behind.
+PREFETCH_WORDS = 512
 
 ISAS = {  # isa -> (lanes, vector bits)
     "avx512vnni": 16,
@@ -70,6 +77,8 @@ def _make(bits: int, isa: str):
             with T.sblock("root"):
                 T.reads(C[0:lanes], A[0:vpw], W[0:lanes])
                 T.writes(C[0:lanes])
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(W[PREFETCH_WORDS]),
+                                              T.int32(0), T.int32(3), T.int32(1)))
                 for p in T.unroll(pc):
                     C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
                         T.llvm_lookup_intrinsic_id(f"llvm.x86.avx512.vpdpbusd.{vbits}"),
@@ -89,6 +98,8 @@ def _make(bits: int, isa: str):
             with T.sblock("root"):
                 T.reads(C[0:lanes], A[0:vpw], W[0:lanes])
                 T.writes(C[0:lanes])
+                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(W[PREFETCH_WORDS]),
+                                              T.int32(0), T.int32(3), T.int32(1)))
                 for p in T.unroll(pc):
                     C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], i32v) + T.call_llvm_pure_intrin(
                         T.llvm_lookup_intrinsic_id(maddwd),
