@@ -143,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
     t.set_defaults(fn=_cmd_tune)
 
+    from qtvm.bench.gemv import add_bench_parser  # argparse only; imports lazily
     from qtvm.report import add_report_parser  # argparse only; the report imports lazily
 
     add_report_parser(sub)  # qtvm quantize-report
+    add_bench_parser(sub)  # qtvm bench gemv
     return p
 
 

@@ -1,0 +1,202 @@
+"""`qtvm bench gemv`: qtvm's GEMV kernels beside the machine's read bandwidth and
+its peers (torch fp32 mv, torch's int4 CPU kernel with bf16 activations,
+onnxruntime MatMulNBits with accuracy_level=4), in one run.
+
+qtvm kernels are registered as peers, so they are timed by the same
+interleaved, bandwidth-probed rounds with the same DRAM rotation
+(``qtvm.bench.peers.benchmark_peers``); each thread count runs in a fresh
+process because TVM's thread pool size is fixed at start-up.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from qtvm.bench import peers as peer_lib
+
+DEFAULT_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N) of LLaMA-7B's projections
+DEFAULT_FORMATS = ("int4-g128", "int3-g128", "int2-g64", "e0m4-g128")
+PEERS = ("torch_fp32", "torch_int4", "ort_matmulnbits")
+
+
+class QtvmGemv(peer_lib.Peer):
+    """One compiled qtvm kernel; copies share the code and own their weights."""
+
+    def __init__(self, W: np.ndarray, preset: str, activations: str, target: str = "host", _shared=None):
+        import tvm
+
+        from qtvm import ops
+        from qtvm.formats import get_format
+        from qtvm.target import parse_target
+        from schedules import column_block, schedule_kernel
+
+        self.K, self.N = W.shape
+        self.name = f"qtvm {preset}" + (" act-int8" if activations == "int8" else "")
+        self.fmt = preset
+        if _shared is None:
+            fmt, tgt = get_format(preset), parse_target(target)
+            qt = fmt.quantize(W)
+            nb = column_block(tgt)
+
+            def build(func):
+                return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, tgt)}), target=tgt)["main"]
+
+            kp = fmt.padded_k(self.K)
+            if activations == "int8":
+                kernels = (build(ops.quantize_activations_func(fmt, self.K)),
+                           build(ops.qmatmul_a8_func(fmt, self.K, self.N, nb)))
+                scratch = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (
+                    ((1, kp), np.int8), ((1, kp // ops.ACT_BLOCK), np.float32),
+                    ((1, kp // fmt.group_size_for(self.K)), np.float32))]
+            else:
+                kernels, scratch = (build(ops.qmatmul_func(fmt, self.K, self.N, nb)),), []
+            _shared = (qt, ops.blocked_arrays(qt, nb), kernels, scratch, activations)
+        self._shared = _shared
+        qt, arrays, _, _, _ = _shared
+        self._weights = [tvm.runtime.tensor(a.copy()) for a in arrays]
+        self.weight_bytes = int(sum(a.nbytes for a in arrays))
+        self._x = tvm.runtime.tensor(np.zeros((1, self.K), np.float32))
+        self._y = tvm.runtime.tensor(np.zeros((1, self.N), np.float32))
+        self._tensor = tvm.runtime.tensor
+
+    def _set_input(self, x: np.ndarray) -> None:
+        self._x = self._tensor(x.reshape(1, -1).astype(np.float32))
+
+    def run(self) -> None:
+        _, _, kernels, scratch, activations = self._shared
+        if activations == "int8":
+            kernels[0](self._x, *scratch)
+            kernels[1](*scratch, *self._weights, self._y)
+        else:
+            kernels[0](self._x, *self._weights, self._y)
+
+    def _output(self) -> np.ndarray:
+        return self._y.numpy()
+
+    def reference(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.float64).reshape(1, -1) @ self._shared[0].dequantize().astype(np.float64)
+
+    def copy(self) -> "QtvmGemv":
+        twin = QtvmGemv.__new__(QtvmGemv)
+        twin.__dict__.update(self.__dict__)
+        twin._weights = [self._tensor(a.numpy().copy()) for a in self._weights]
+        return twin
+
+
+def register(formats, activations=("fp32",), target: str = "host") -> list[str]:
+    """Add qtvm kernels to the peer registry; returns their names."""
+    names = []
+    for preset in formats:
+        for act in activations:
+            name = f"qtvm:{preset}:{act}"
+            peer_lib.PEER_FACTORIES[name] = (
+                lambda W, threads, p=preset, a=act, **kw: QtvmGemv(W, p, a, target))
+            names.append(name)
+    return names
+
+
+def benchmark_child(shapes, threads: int, formats, activations, peers, rounds: int, reference_bw: float,
+                    group_size: int = 128, target: str = "host") -> dict:
+    """Runs in a fresh process per thread count (see ``run``).
+
+    Every kernel timed together holds its own DRAM rotation (>= 4x L3), so the
+    first format is timed with the peers and each other format on its own:
+    memory stays a few GB whatever the number of formats.
+    """
+    from qtvm import ops
+    from qtvm.formats import get_format
+
+    results = []
+    for i, preset in enumerate(formats):
+        k_min = min(int(k) for k, _ in shapes)
+        acts = [a for a in activations if a == "fp32" or ops.supports_int8_activations(get_format(preset), k_min)]
+        names = register([preset], acts, target)
+        out = peer_lib.benchmark_peers(shapes, threads, [*names, *(peers if i == 0 else ())],
+                                       group_size=group_size, rounds=rounds, reference_bw=reference_bw)
+        results += out["results"]
+    return {"results": results}
+
+
+def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activations=("fp32", "int8"),
+        peers=PEERS, rounds: int = 3, json_path: Path | None = None, target: str = "host") -> list:
+    from qtvm.bench import bandwidth, harness
+    from qtvm.formats import get_format
+
+    for preset in formats:
+        get_format(preset)  # unknown presets fail before any measuring
+    print(f"{harness.cpu_model()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
+          f"{100 * harness.cpu_busy_fraction(1.0):.0f}%", flush=True)
+    probe = bandwidth.BandwidthProbe()
+    bw = {}
+    for t in threads:
+        detail = probe.measure_detail(t, 5)
+        bw[t] = max(detail.values())
+        print(f"read bandwidth, {t} thread(s): {bw[t]:.2f} GB/s "
+              f"({', '.join(f'{s} streams {v:.1f}' for s, v in detail.items())})", flush=True)
+    del probe
+    results = []
+    for t in threads:
+        out = harness.run_in_subprocess("qtvm.bench.gemv:benchmark_child", {
+            "shapes": [list(s) for s in shapes], "threads": t, "formats": list(formats),
+            "activations": list(activations), "peers": list(peers), "rounds": rounds, "reference_bw": bw[t],
+            "target": target}, harness.thread_env(t))
+        results += [harness.BenchResult.from_dict(d).with_bandwidth(bw[t]) for d in out["results"]]
+    results.sort(key=lambda r: (r.shape, r.threads, r.kernel))
+    print()
+    harness.print_table(results, bw)
+    if json_path is not None:
+        harness.write_json(results, json_path, harness.machine_meta(bw))
+        print(f"\nwrote {json_path}")
+    return results
+
+
+def add_bench_parser(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="benchmarks (weights streamed from DRAM, peers side by side)")
+    bsub = b.add_subparsers(dest="bench_kind", required=True)
+    g = bsub.add_parser("gemv", help="qtvm GEMV kernels vs read bandwidth, torch fp32/int4, ORT MatMulNBits")
+    g.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in DEFAULT_SHAPES], metavar="KxN")
+    g.add_argument("--formats", default=",".join(DEFAULT_FORMATS))
+    g.add_argument("--act", default="fp32,int8", help="activation modes of qtvm kernels (fp32, int8)")
+    g.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    g.add_argument("--peers", default=",".join(PEERS), help="comma list, or 'none'")
+    g.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    g.add_argument("--target", default="host")
+    g.add_argument("--json", type=Path, default=Path("out/bench_gemv.json"))
+    g.set_defaults(fn=bench_command)
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    from qtvm.errors import QtvmError
+
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise QtvmError(f"shape '{text}' is not KxN", "e.g. --shapes 4096x4096 4096x11008") from None
+    if k < 1 or n < 1:
+        raise QtvmError(f"shape '{text}' has a zero dimension")
+    return k, n
+
+
+def bench_command(args) -> int:
+    from qtvm.errors import QtvmError
+
+    shapes = [_parse_shape(s) for s in args.shapes]
+    if any(t < 1 for t in args.threads):
+        raise QtvmError("--threads must be >= 1")
+    if args.rounds < 1:
+        raise QtvmError("--rounds must be >= 1")
+    acts = [a for a in args.act.split(",") if a]
+    if set(acts) - {"fp32", "int8"}:
+        raise QtvmError(f"--act takes fp32 and/or int8, not {args.act}")
+    peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise QtvmError(f"unknown peers: {', '.join(unknown)}", f"choose from {', '.join(PEERS)}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    run(shapes, args.threads, [f for f in args.formats.split(",") if f], acts, peers, args.rounds, args.json,
+        args.target)
+    return 0
+
+

@@ -1,0 +1,46 @@
+"""qtvm kernels as benchmark peers: they compute the right thing; the command's input checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qtvm.bench import gemv, peers
+from qtvm.errors import QtvmError
+
+
+@pytest.mark.parametrize("preset,act", [("int4-g128", "fp32"), ("int4-g128", "int8"), ("int3-g128", "fp32"),
+                                        ("e0m4-g128", "fp32")])
+def test_qtvm_peer_matches_its_reference(preset, act):
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((384, 96)).astype(np.float32)
+    x = rng.standard_normal(384).astype(np.float32)
+    peer = gemv.QtvmGemv(W, preset, act)
+    y, ref = peer(x), peer.reference(x)[0]
+    tol = 2e-2 if act == "int8" else 1e-5
+    assert np.abs(y - ref).max() / np.abs(ref).max() < tol
+    twin = peer.copy()  # own weight memory, same results
+    assert twin._weights[0].numpy().ctypes.data != peer._weights[0].numpy().ctypes.data
+    np.testing.assert_allclose(twin(x), y, rtol=1e-6, atol=1e-6)
+    assert peer.weight_bytes == sum(w.numpy().nbytes for w in peer._weights)
+
+
+def test_register_adds_named_factories():
+    names = gemv.register(["int2-g64"], ["fp32", "int8"])
+    assert names == ["qtvm:int2-g64:fp32", "qtvm:int2-g64:int8"]
+    W = np.random.default_rng(1).standard_normal((128, 64)).astype(np.float32)
+    peer = peers.PEER_FACTORIES["qtvm:int2-g64:int8"](W, 1)
+    assert peer.name == "qtvm int2-g64 act-int8"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--shapes", "4096by4096"], "is not KxN"), (["--shapes", "0x8"], "zero dimension"),
+    (["--peers", "numpy"], "unknown peers: numpy"), (["--act", "fp16"], "--act takes"),
+    (["--threads", "0"], "--threads must be >= 1"), (["--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_bench_command_rejects_bad_options(argv, needle, tmp_path):
+    from qtvm.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "gemv", *argv, "--json", str(tmp_path / "b.json")])
+    with pytest.raises(QtvmError, match=needle):
+        args.fn(args)
+    assert not (tmp_path / "b.json").exists()
