@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from qtvm.errors import QtvmError
+from qtvm.hostinfo import host_cpu_flags
 
 
 def _import_runtime_only_tvm() -> None:
@@ -39,17 +40,6 @@ _import_runtime_only_tvm()
 METADATA_FUNC = "qtvm_metadata"
 
 
-def _host_cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 class Module:
     def __init__(self, path: str | os.PathLike):
         import tvm.runtime
@@ -68,7 +58,7 @@ class Module:
         except Exception:
             raise QtvmError(f"'{path}' has no qtvm metadata (not built by qtvm?)", "recompile it with `qtvm compile`") from None
         self.metadata = json.loads(raw)
-        missing = sorted(set(self.metadata.get("required_cpu_flags", [])) - _host_cpu_flags())
+        missing = sorted(set(self.metadata.get("required_cpu_flags", [])) - host_cpu_flags())
         if missing:
             raise QtvmError(f"'{path}' was built for {self.metadata['target']} and needs CPU features "
                             f"{', '.join(missing)} that this CPU lacks",

@@ -7,7 +7,7 @@ import tvm
 
 from qtvm import ops
 from qtvm.formats import get_format
-from qtvm.runtime import _host_cpu_flags
+from qtvm.hostinfo import host_cpu_flags
 from schedules import schedule_kernel
 
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
@@ -15,7 +15,7 @@ ISA_TARGETS = {"avx2": AVX2,
                "avx512bw": tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}),
                "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})}
 ISA_FLAGS = {"avx2": {"avx2"}, "avx512bw": {"avx512bw"}, "avx512vnni": {"avx512bw", "avx512_vnni"}}
-RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= _host_cpu_flags()]
+RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= host_cpu_flags()]
 NB = 64
 
 

@@ -72,6 +72,6 @@ def test_runtime_process_never_maps_compiler(tiny_llama_int4):
 def test_refuses_cpu_it_was_not_built_for(tiny_llama_int4, monkeypatch):
     from qtvm import runtime
 
-    monkeypatch.setattr(runtime, "_host_cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(runtime, "host_cpu_flags", lambda: {"sse2"})
     with pytest.raises(QtvmError, match="needs CPU features .*avx2"):
         runtime.load(tiny_llama_int4[0])

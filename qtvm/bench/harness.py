@@ -56,6 +56,8 @@ from typing import Any, TextIO
 
 from qtvm.bench.bandwidth import l3_cache_bytes
 
+from qtvm.hostinfo import host_cpu_flags
+
 __all__ = [
     "DEFAULT_MIN_TOTAL_BYTES",
     "BenchResult",
@@ -348,17 +350,6 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -419,7 +410,7 @@ def machine_meta(bandwidth_by_threads: Mapping[int, float] | None = None) -> dic
     Versions are read from package metadata, so nothing is imported (importing
     TVM here could start its runtime in the wrong process).
     """
-    flags = _cpu_flags()
+    flags = host_cpu_flags()
     meta: dict[str, Any] = {
         "cpu_model": cpu_model(),
         "n_cpus": os.cpu_count(),
