@@ -35,13 +35,13 @@ import json
 import math
 import os
 import pathlib
-import tempfile
 import unicodedata
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from qtvm.models.export import cached, export_torch_onnx
 from torch import nn
 
 from qtvm.errors import QtvmError
@@ -427,35 +427,14 @@ def encode(texts: list[str], model_dir: pathlib.Path | None = None) -> dict[str,
 # -- ONNX ------------------------------------------------------------------------------------
 def export_onnx(path: str | os.PathLike, model_dir: pathlib.Path | None = None) -> pathlib.Path:
     """Legacy exporter, opset 17, symbolic (batch, seq); written atomically (temp + rename)."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model = build_torch_model(model_dir)
     example = (torch.ones((2, 8), dtype=torch.int64), torch.ones((2, 8), dtype=torch.int64))
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(
-                model, example, tmp, dynamo=False, opset_version=17,
-                input_names=["input_ids", "attention_mask"], output_names=["sentence_embedding"],
-                dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
-                              "sentence_embedding": {0: "batch"}},
-                do_constant_folding=True,  # Linear weights become plain [K, N] MatMul initializers
-            )
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return export_torch_onnx(
+        build_torch_model(model_dir), example, path,
+        input_names=["input_ids", "attention_mask"], output_names=["sentence_embedding"],
+        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                      "sentence_embedding": {0: "batch"}})
 
 
 def default_model_path() -> pathlib.Path:
     """Cached export under QTVM_CACHE_DIR (default ~/.cache/qtvm), shared by tests and benchmarks."""
-    cache = os.environ.get("QTVM_CACHE_DIR")
-    root = pathlib.Path(cache) if cache else pathlib.Path.home() / ".cache" / "qtvm"
-    path = root / ONNX_NAME
-    if not path.exists():
-        export_onnx(path)
-    return path
+    return cached(ONNX_NAME, export_onnx)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-import tempfile
-import warnings
 from dataclasses import dataclass
 
 import torch
+
+from qtvm.models.export import cached, export_torch_onnx
 from torch import nn
 
 __all__ = ["TinyLlamaConfig", "build_torch_model", "export_onnx", "default_model_path"]
@@ -173,42 +173,12 @@ def build_torch_model(config: TinyLlamaConfig = TinyLlamaConfig()) -> torch.nn.M
 
 def export_onnx(path: str | os.PathLike, config: TinyLlamaConfig = TinyLlamaConfig()) -> pathlib.Path:
     """Legacy (TorchScript) exporter, opset 17: its graph imports into TVM with symbolic dims."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model = build_torch_model(config)
-    example = torch.zeros((1, 4), dtype=torch.int64)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        # Constant folding turns each Linear's transposed weight into a plain
-        # initializer feeding MatMul, which is what the quantizer looks for.
-        # The legacy exporter is chosen on purpose (see module doc); silence its deprecation notice.
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(
-                model,
-                (example,),
-                tmp,
-                dynamo=False,
-                opset_version=17,
-                input_names=["input_ids"],
-                output_names=["logits"],
-                dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}},
-                do_constant_folding=True,
-            )
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return export_torch_onnx(
+        build_torch_model(config), (torch.zeros((1, 4), dtype=torch.int64),), path,
+        input_names=["input_ids"], output_names=["logits"],
+        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
 
 
 def default_model_path() -> pathlib.Path:
     """Cached export, so callers (CLI, tests, benches) share one file."""
-    cache = os.environ.get("QTVM_CACHE_DIR")
-    root = pathlib.Path(cache) if cache else pathlib.Path.home() / ".cache" / "qtvm"
-    path = root / "tiny_llama.onnx"
-    if not path.exists():
-        export_onnx(path)
-    return path
+    return cached("tiny_llama.onnx", export_onnx)
