@@ -6,6 +6,7 @@ format's expressions with a storage layout that the target rule chooses.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
@@ -101,6 +102,28 @@ class QuantFormat(ABC):
         tensor of a simpler format, plus an optional sparse correction.
         """
         return KernelParts([(None, qt)], None)
+
+
+class GroupedAlongK:
+    """K padding and grouping for formats that pack K in indivisible runs.
+
+    A format mixing this in defines ``group_size`` (None: one group per
+    column) and ``pack_unit`` (values in one run of packed words); K is padded
+    to a multiple of both, so padded rows are whole words and whole groups.
+    """
+
+    group_size: int | None
+    pack_unit: int
+
+    def padded_k(self, k: int) -> int:
+        unit = self.pack_unit if self.group_size is None else math.lcm(self.pack_unit, self.group_size)
+        return -(-k // unit) * unit
+
+    def group_size_for(self, k: int) -> int:
+        return self.padded_k(k) if self.group_size is None else self.group_size
+
+    def num_groups(self, k: int) -> int:
+        return self.padded_k(k) // self.group_size_for(k)
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,13 @@ is never worse than the greedy start.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from tvm import tirx
 
 from qtvm.errors import QtvmError
-from qtvm.formats.base import ArrayLoader, QuantFormat, QuantizedTensor, check_weight
+from qtvm.formats.base import ArrayLoader, GroupedAlongK, QuantFormat, QuantizedTensor, check_weight
 
 VALID_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 VALID_GROUPS = (16, 32, 64, 128, 256)
@@ -47,7 +46,7 @@ WORD_BITS = 32
 
 
 @dataclass(frozen=True)
-class BCQFormat(QuantFormat):
+class BCQFormat(GroupedAlongK, QuantFormat):
     bits: int = 3  # q, the number of binary planes
     group_size: int | None = 128  # None: one group per column
     iters: int = 5  # alternating refinement rounds (0: greedy only)
@@ -63,19 +62,14 @@ class BCQFormat(QuantFormat):
             raise QtvmError(f"BCQ refinement iterations must be a non-negative int, got {self.iters!r}")
 
     # -- layout facts -------------------------------------------------------
+    pack_unit = WORD_BITS  # one int32 of sign bits per plane
+
     @property
     def name(self) -> str:
         return f"bcq{self.bits}-" + ("col" if self.group_size is None else f"g{self.group_size}")
 
-    def padded_k(self, k: int) -> int:
-        unit = WORD_BITS if self.group_size is None else math.lcm(WORD_BITS, self.group_size)
-        return -(-k // unit) * unit
 
-    def group_size_for(self, k: int) -> int:
-        return self.padded_k(k) if self.group_size is None else self.group_size
 
-    def num_groups(self, k: int) -> int:
-        return self.padded_k(k) // self.group_size_for(k)
 
     def array_rows(self, k: int) -> dict[str, int]:
         g = self.num_groups(k)

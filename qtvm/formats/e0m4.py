@@ -34,14 +34,13 @@ exact (0.959x without the zero shift; the paper reports ~0.955x).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from tvm import tirx
 
 from qtvm.errors import QtvmError
-from qtvm.formats.base import ArrayLoader, QuantFormat, QuantizedTensor, check_weight
+from qtvm.formats.base import ArrayLoader, GroupedAlongK, QuantFormat, QuantizedTensor, check_weight
 
 VALID_GROUPS = (16, 32, 64, 128, 256)
 PRESET_GROUPS = (32, 64, 128)
@@ -54,7 +53,7 @@ SCALE_BITS = 19  # significant bits kept in a zero-preserving scale (24 - 5)
 
 
 @dataclass(frozen=True)
-class E0M4Format(QuantFormat):
+class E0M4Format(GroupedAlongK, QuantFormat):
     group_size: int | None = 128  # None: one group per column
     decode: str = "fp32"  # how the kernel turns a code into a float: "fp32" or "fp16"
 
@@ -66,20 +65,15 @@ class E0M4Format(QuantFormat):
             raise QtvmError(f"E0M4 format has no '{self.decode}' decode", f"valid decodes: {', '.join(DECODES)}")
 
     # -- layout facts -------------------------------------------------------
+    pack_unit = VALUES_PER_WORD  # 8 codes per int32
+
     @property
     def name(self) -> str:
         base = "e0m4-" + ("col" if self.group_size is None else f"g{self.group_size}")
         return base if self.decode == "fp32" else f"{base}-f16"
 
-    def padded_k(self, k: int) -> int:
-        unit = VALUES_PER_WORD if self.group_size is None else math.lcm(VALUES_PER_WORD, self.group_size)
-        return -(-k // unit) * unit
 
-    def group_size_for(self, k: int) -> int:
-        return self.padded_k(k) if self.group_size is None else self.group_size
 
-    def num_groups(self, k: int) -> int:
-        return self.padded_k(k) // self.group_size_for(k)
 
     def array_rows(self, k: int) -> dict[str, int]:
         g = self.num_groups(k)

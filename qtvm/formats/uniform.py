@@ -10,21 +10,20 @@ Storage, for a [K, N] weight with K padded to ``padded_k(K)``:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from tvm import tirx
 
 from qtvm.errors import QtvmError
-from qtvm.formats.base import ArrayLoader, QuantFormat, QuantizedTensor, check_weight
+from qtvm.formats.base import ArrayLoader, GroupedAlongK, QuantFormat, QuantizedTensor, check_weight
 
 VALID_BITS = (2, 3, 4, 8)
 VALID_GROUPS = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
-class UniformFormat(QuantFormat):
+class UniformFormat(GroupedAlongK, QuantFormat):
     bits: int = 4
     group_size: int | None = 128  # None: one group per column ("-col")
 
@@ -47,6 +46,10 @@ class UniformFormat(QuantFormat):
         return 32 if self.bits == 3 else 32 // self.bits
 
     @property
+    def pack_unit(self) -> int:
+        return self.values_per_block
+
+    @property
     def words_per_block(self) -> int:
         return 3 if self.bits == 3 else 1
 
@@ -54,17 +57,8 @@ class UniformFormat(QuantFormat):
     def qmax(self) -> int:
         return (1 << self.bits) - 1
 
-    def padded_k(self, k: int) -> int:
-        unit = self.values_per_block
-        if self.group_size is not None:
-            unit = math.lcm(unit, self.group_size)
-        return -(-k // unit) * unit
 
-    def group_size_for(self, k: int) -> int:
-        return self.padded_k(k) if self.group_size is None else self.group_size
 
-    def num_groups(self, k: int) -> int:
-        return self.padded_k(k) // self.group_size_for(k)
 
     def word_rows(self, k: int) -> int:
         return self.padded_k(k) // self.values_per_block * self.words_per_block
