@@ -53,23 +53,40 @@ def blocked_arrays(qt: QuantizedTensor, nb: int) -> list[np.ndarray]:
     return [block_columns(qt.arrays[name], nb) for name in qt.fmt.array_rows(qt.k)]
 
 
-def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
-    """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached."""
-    m = te.var("m", "int64")
-    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
-    ngroups, nblk = kp // gs, -(-n // nb)
-    x = te.placeholder((m, k), "float32", name="x")
+def padded_reader(x: te.Tensor, k: int, kp: int):
+    """x[i, kk] for kk < K_pad: rows past K are padding (zero weights, and x has none)."""
+    if kp == k:
+        return lambda i, kk: x[i, kk]
+    return lambda i, kk: tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+
+
+def weight_inputs(fmt: QuantFormat, k: int, n: int, nb: int):
+    """(stored placeholders by name, at_column(j) -> load(name, row)) for column-blocked weights."""
+    nblk = -(-n // nb)
     stored = {name: te.placeholder((nblk, rows, nb), fmt.array_dtype(name), name=name)
               for name, rows in fmt.array_rows(k).items()}
 
     def at_column(j):
         return lambda name, row: stored[name][j // nb, row, j % nb]
 
-    def xk(i, kk):
-        # Rows past K are padding: their weights are zero, but x has no such rows.
-        return x[i, kk] if kp == k else tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+    return stored, at_column
 
-    num_terms = len(fmt.te_decode_terms(at_column(tirx.const(0, "int32")), tirx.const(0, "int32")))
+
+def decode_term_count(fmt: QuantFormat, at_column) -> int:
+    zero = tirx.const(0, "int32")
+    return len(fmt.te_decode_terms(at_column(zero), zero))
+
+
+def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
+    """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached."""
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ngroups, nblk = kp // gs, -(-n // nb)
+    x = te.placeholder((m, k), "float32", name="x")
+    stored, at_column = weight_inputs(fmt, k, n, nb)
+    xk = padded_reader(x, k, kp)
+
+    num_terms = decode_term_count(fmt, at_column)
     def partial(t):
         r = te.reduce_axis((0, gs), name="kk")
         return te.compute(
@@ -123,9 +140,7 @@ def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
     m = te.var("m", "int64")
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     x = te.placeholder((m, k), "float32", name="x")
-
-    def xk(i, kk):
-        return x[i, kk] if kp == k else tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+    xk = padded_reader(x, k, kp)
 
     r = te.reduce_axis((0, ACT_BLOCK), name="r")
     amax = te.compute((m, kp // ACT_BLOCK), lambda i, b: te.max(tirx.abs(xk(i, b * ACT_BLOCK + r)), axis=r), name="amax")
@@ -170,8 +185,7 @@ def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     xq = te.placeholder((m, kp), "int8", name="xq")
     xd = te.placeholder((m, nact), "float32", name="xd")
     xs = te.placeholder((m, ngroups), "float32", name="xs")
-    stored = {name: te.placeholder((nblk, rows, nb), fmt.array_dtype(name), name=name)
-              for name, rows in fmt.array_rows(k).items()}
+    stored, at_column = weight_inputs(fmt, k, n, nb)
     qw = stored["qweight"]
 
     rw = te.reduce_axis((0, words_per_act), name="rw")
@@ -192,7 +206,7 @@ def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     rg = te.reduce_axis((0, ngroups), name="g")
 
     def group_term(i, j):
-        coefs, offset = fmt.te_group_coefs(lambda name, row: stored[name][j // nb, row, j % nb], rg)
+        coefs, offset = fmt.te_group_coefs(at_column(j), rg)
         return coefs[0] * gpart[i, rg, j] + offset * xs[i, rg]
 
     acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)

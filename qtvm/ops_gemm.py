@@ -27,10 +27,10 @@ column block, so no vector loop needs a column tail; only ``y`` is cut to N.
 from __future__ import annotations
 
 import tvm
-from tvm import te, tirx
+from tvm import te
 
 from qtvm.formats.base import QuantFormat
-from qtvm.ops import BLOCK_ACC, BLOCK_OUT, FORMAT_ATTR, KERNEL_ATTR
+from qtvm.ops import BLOCK_ACC, BLOCK_OUT, FORMAT_ATTR, KERNEL_ATTR, decode_term_count, padded_reader, weight_inputs
 
 BLOCK_DEQUANT = "w_dequant"
 BLOCK_XPAD = "x_padk"
@@ -47,11 +47,7 @@ def qmatmul_gemm_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pri
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     nblk = -(-n // nb)
     x = te.placeholder((m, k), "float32", name="x")
-    stored = {name: te.placeholder((nblk, rows, nb), fmt.array_dtype(name), name=name)
-              for name, rows in fmt.array_rows(k).items()}
-
-    def at_column(j):
-        return lambda name, row: stored[name][j // nb, row, j % nb]
+    stored, at_column = weight_inputs(fmt, k, n, nb)
 
     def dequant(kk, j):
         load = at_column(j)
@@ -62,12 +58,9 @@ def qmatmul_gemm_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pri
             total = total + coef * term
         return total
 
-    num_terms = len(fmt.te_decode_terms(at_column(tvm.tirx.const(0, "int32")), tvm.tirx.const(0, "int32")))
-    if kp == k:
-        xk = x
-    else:  # rows past K: the weights there are finite (codes of zero), x is zero
-        xk = te.compute((m, kp), lambda i, kk: tirx.if_then_else(
-            kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32")), name=BLOCK_XPAD)
+    num_terms = decode_term_count(fmt, at_column)
+    # rows past K: the weights there are finite (codes of zero), x is zero
+    xk = x if kp == k else te.compute((m, kp), padded_reader(x, k, kp), name=BLOCK_XPAD)
     w = te.compute((kp, nblk * nb), dequant, name=BLOCK_DEQUANT)
     r = te.reduce_axis((0, kp), name="k")
     acc = te.compute((m, nblk * nb), lambda i, j: te.sum(xk[i, r] * w[r, j], axis=r), name=BLOCK_ACC)
