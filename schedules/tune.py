@@ -44,7 +44,6 @@ timed before and after the search, gets at least as many chances as any other.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json

@@ -9,7 +9,6 @@ process because TVM's thread pool size is fixed at start-up.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
