@@ -120,9 +120,12 @@ BLOCK_DOT, BLOCK_GPART = "dot", "gpart"
 
 
 def supports_int8_activations(fmt: QuantFormat, k: int) -> bool:
-    """The byte-plane dot needs 2- or 4-bit uniform codes and 32-aligned groups."""
-    desc = fmt.describe()
-    return (desc.get("family") == "uniform" and desc["bits"] in (2, 4)
+    """The byte-plane dot needs 2- or 4-bit codes the weight is affine in, 32-aligned groups."""
+    from tvm import tirx as _t
+
+    zero = _t.const(0, "int32")
+    affine = fmt.te_code_affine(lambda name, row: _t.const(0, fmt.array_dtype(name)), zero) is not None
+    return (affine and fmt.describe().get("bits") in (2, 4)
             and fmt.group_size_for(k) % ACT_BLOCK == 0 and fmt.padded_k(k) % ACT_BLOCK == 0)
 
 
@@ -206,8 +209,8 @@ def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     rg = te.reduce_axis((0, ngroups), name="g")
 
     def group_term(i, j):
-        coefs, offset = fmt.te_group_coefs(at_column(j), rg)
-        return coefs[0] * gpart[i, rg, j] + offset * xs[i, rg]
+        coef, offset = fmt.te_code_affine(at_column(j), rg)
+        return coef * gpart[i, rg, j] + offset * xs[i, rg]
 
     acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
     y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)

@@ -80,7 +80,8 @@ def run_a8(target, fmt, qt, x):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int4-g32", 4096, 1), ("int2-g64", 300, 70)])
+@pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int4-g32", 4096, 1), ("int2-g64", 300, 70),
+                                        ("e0m4-g128", 1000, 37), ("e0m4-g64-f16", 300, 70), ("int4-g128-qz", 1000, 37)])
 def test_qmatmul_int8_activations(isa, preset, k, n):
     fmt = get_format(preset)
     rng = np.random.default_rng(k)
@@ -125,6 +126,8 @@ def test_fp32_unpack_asm_avx512():
 
 def test_unsupported_formats_keep_fp32_activations():
     assert ops.supports_int8_activations(get_format("int4-g128"), 1000)
+    assert ops.supports_int8_activations(get_format("e0m4-g128"), 1000)  # affine in its 4-bit code
+    assert not ops.supports_int8_activations(get_format("bcq3-g128"), 1000)
     assert not ops.supports_int8_activations(get_format("int3-g128"), 1000)
     assert not ops.supports_int8_activations(get_format("int8-g128"), 1000)
     assert not ops.supports_int8_activations(get_format("int4-g16"), 1000)

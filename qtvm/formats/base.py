@@ -95,6 +95,13 @@ class QuantFormat(ABC):
     def te_group_coefs(self, load: ArrayLoader, g) -> tuple[list, object]:
         """([coefficient per term], offset) of group ``g`` at the current column."""
 
+    def te_code_affine(self, load: ArrayLoader, g):
+        """(coef, offset) with w = coef * code + offset for the raw unsigned integer
+        code stored in ``qweight`` (value j of a word at bits [b*j, b*j + b)), or
+        None when the weight is not affine in such a code. Integer-dot kernels
+        (int8 activations) need it."""
+        return None
+
     def kernel_parts(self, qt: QuantizedTensor) -> "KernelParts":
         """How the compiler runs this tensor: by default one kernel on all rows.
 

@@ -170,6 +170,12 @@ class E0M4Format(GroupedAlongK, QuantFormat):
     def te_group_coefs(self, load: ArrayLoader, g):
         return [load("scales", g)], load("bias", g)
 
+    def te_code_affine(self, load: ArrayLoader, g):
+        """The decoded 1 + code/16 is affine in the 4-bit code, so integer dots apply:
+        w = scale * (1 + c/16) + bias = (scale/16) * c + (scale + bias)."""
+        scale = load("scales", g)
+        return scale * (1.0 / (CODE_MAX + 1)), scale + load("bias", g)
+
 
 def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
     """Round non-negative float64s to nearest with ``bits`` significant bits."""

@@ -157,6 +157,12 @@ class UniformFormat(GroupedAlongK, QuantFormat):
         s = load("scales", g)
         return [s], -load("zeros", g) * s
 
+    def te_code_affine(self, load: ArrayLoader, g):
+        if self.bits == 3:  # codes straddle words: no byte-plane layout
+            return None
+        coefs, offset = self.te_group_coefs(load, g)
+        return coefs[0], offset
+
     def _te_code(self, word, k):
         mask = tirx.const(self.qmax, "int32")
         if self.bits != 3:
