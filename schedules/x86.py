@@ -33,6 +33,25 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     return sch
 
 
+def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True):
+    """The common skeleton of the x86 rules: parallel over column tiles of the output,
+    then per row a register accumulator over the tile, fed group by group.
+    Returns (acc_group_loop, acc_column_loop)."""
+    out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
+    i, j = sch.get_loops(out)
+    jo, ji = sch.split(j, [None, tile])
+    sch.reorder(jo, i, ji)
+    if parallel:
+        sch.parallel(jo)
+    sch.compute_at(acc, i)
+    sch.set_scope(acc, 0, "local")
+    if int(desc["padded_k"]) == int(desc["group"]):
+        sch.add_unit_loop(acc)  # one group: compute_at dropped the unit group loop
+    acc_j, acc_g = sch.get_loops(acc)[-2:]
+    sch.reorder(acc_g, acc_j)
+    return acc_g, acc_j
+
+
 # -- tuning hook (schedules/tune.py) -------------------------------------------------------
 # ``tile_cols`` / ``unroll`` may be ints or ExprRVs sampled by MetaSchedule.
 #   tile_cols: columns of one register tile (divides col_block): the partial's column loop is
@@ -45,18 +64,7 @@ def apply_qmatmul_x86(sch: s_tir.Schedule, desc, *, tile_cols=None, unroll=None,
     unroll = _unpack_unroll(desc) if unroll is None else unroll
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     parts = [sch.get_sblock(ops.partial_block(t)) for t in range(int(desc["terms"]))]
-
-    i, j = sch.get_loops(out)
-    jo, ji = sch.split(j, [None, nb])
-    sch.reorder(jo, i, ji)
-    if parallel:
-        sch.parallel(jo)
-    sch.compute_at(acc, i)
-    sch.set_scope(acc, 0, "local")
-    if int(desc["padded_k"]) == int(desc["group"]):
-        sch.add_unit_loop(acc)  # one group: compute_at dropped the unit group loop
-    acc_j, acc_g = sch.get_loops(acc)[-2:]
-    sch.reorder(acc_g, acc_j)
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb, parallel)
     for part in parts:
         sch.compute_at(part, acc_g)
         if local_partials:
@@ -122,16 +130,7 @@ def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
     sch = s_tir.Schedule(func)
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
-    i, j = sch.get_loops(out)
-    jo, ji = sch.split(j, [None, nb * streams])
-    sch.reorder(jo, i, ji)
-    sch.parallel(jo)
-    sch.compute_at(acc, i)
-    sch.set_scope(acc, 0, "local")
-    if int(desc["padded_k"]) == int(desc["group"]):
-        sch.add_unit_loop(acc)
-    acc_j, acc_g = sch.get_loops(acc)[-2:]
-    sch.reorder(acc_g, acc_j)
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb * streams)
     sch.compute_at(gpart, acc_g)
     sch.set_scope(gpart, 0, "local")
     if int(desc["group"]) == ops.ACT_BLOCK:

@@ -17,6 +17,7 @@ import tvm
 from tvm import s_tir
 
 from qtvm import lut_gemv, ops
+from schedules.x86 import tile_columns_then_groups
 
 
 READ_UNROLL = 8  # columns whose table reads are unrolled together
@@ -45,16 +46,7 @@ def schedule_lut_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) ->
 
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     part = sch.get_sblock(lut_gemv.BLOCK_PARTIAL)
-    i, col = sch.get_loops(out)
-    jo, ji = sch.split(col, [None, nb])
-    sch.reorder(jo, i, ji)
-    sch.parallel(jo)
-    sch.compute_at(acc, i)
-    sch.set_scope(acc, 0, "local")
-    if int(desc["padded_k"]) == int(desc["group"]):
-        sch.add_unit_loop(acc)  # one group: compute_at dropped the unit group loop
-    acc_j, acc_g = sch.get_loops(acc)[-2:]
-    sch.reorder(acc_g, acc_j)
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb)
     sch.compute_at(part, acc_g)
     sch.set_scope(part, 0, "local")
     loops = sch.get_loops(part)
