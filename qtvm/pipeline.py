@@ -30,20 +30,20 @@ class CompileResult:
     notes: list[str] = field(default_factory=list)
 
 
-def check_output_path(out: str | os.PathLike) -> Path:
-    """Fail before compiling, not after, when the artefact cannot be written."""
+def check_output_path(out: str | os.PathLike, what: str = "output", example: str = "model.so") -> Path:
+    """Fail before the work, not after, when ``out`` cannot be written."""
     out = Path(out)
     parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir():
-        raise QtvmError(f"output path '{out}' is a directory", "give a file name such as model.so")
+        raise QtvmError(f"{what} path '{out}' is a directory", f"give a file name such as {example}")
     if not parent.is_dir():
-        raise QtvmError(f"output directory '{parent}' does not exist", "create it first")
+        raise QtvmError(f"{what} directory '{parent}' does not exist", "create it first")
     try:  # a real probe: permission bits say nothing for root or read-only mounts
         fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise QtvmError(f"output directory '{parent}' is not writable ({e.strerror})", "choose another -o path") from None
+        raise QtvmError(f"{what} directory '{parent}' is not writable ({e.strerror})", "choose another path") from None
     return out
 
 

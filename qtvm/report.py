@@ -205,13 +205,9 @@ def _markdown_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _check_json_path(path) -> Path:
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise QtvmError(f"--json path '{path}' is a directory", "give a file name such as report.json")
-    if not parent.is_dir():
-        raise QtvmError(f"--json directory '{parent}' does not exist", "create it first or choose another path")
-    return path
+    from qtvm.pipeline import check_output_path
+
+    return check_output_path(path, "--json", "report.json")
 
 
 # -- presets ------------------------------------------------------------------------------
