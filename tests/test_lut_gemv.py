@@ -8,15 +8,11 @@ from qtvm import lut_gemv, ops
 from qtvm.errors import QtvmError
 from qtvm.formats import UniformFormat, get_format
 from qtvm.formats.bcq import BCQFormat, from_uniform
-from schedules import RULES, schedule_kernel
+from schedules import RULES
 from schedules.x86_lut import schedule_lut_gemv_x86
+from tests.kernels import AVX2 as TARGET
+from tests.kernels import NB, compile_scheduled, rel_err, run_blocked
 
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
-NB = 64
-
-
-def _rel_err(got, ref):
-    return np.abs(got - ref).max() / np.abs(ref).max()
 
 
 def test_func_carries_kernel_and_format_attrs():
@@ -49,7 +45,7 @@ def test_numpy_table_reference_matches_dense():
     qt = get_format("bcq3-g32").quantize(rng.standard_normal((300, 37)).astype(np.float32))
     x = rng.standard_normal((5, 300))
     ref = x @ qt.dequantize().astype(np.float64)
-    assert _rel_err(lut_gemv.reference(x, qt), ref) < 1e-6  # the dequantized matrix is fp32-rounded
+    assert rel_err(lut_gemv.reference(x, qt), ref) < 1e-6  # the dequantized matrix is fp32-rounded
 
 
 @pytest.mark.parametrize("fmt, k, n", [
@@ -63,15 +59,12 @@ def test_scheduled_kernel_matches_reference(fmt, k, n):
     rng = np.random.default_rng(k + n)
     qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
     deq = qt.dequantize().astype(np.float64)
-    func = schedule_kernel(lut_gemv.lut_gemv_func(qt.fmt, k, n, NB), TARGET)  # through RULES
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
-    weights = [tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)]
+    lib = compile_scheduled(lut_gemv.lut_gemv_func(qt.fmt, k, n, NB), TARGET)  # through RULES
     for m in (1, 17):
         x = rng.standard_normal((m, k)).astype(np.float32)
-        out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
-        lib["main"](tvm.runtime.tensor(x), *weights, out)
-        assert _rel_err(out.numpy(), x.astype(np.float64) @ deq) < 1e-5
-        assert _rel_err(out.numpy(), lut_gemv.reference(x, qt)) < 1e-5
+        out = run_blocked(lib, x, qt)
+        assert rel_err(out, x.astype(np.float64) @ deq) < 1e-5
+        assert rel_err(out, lut_gemv.reference(x, qt)) < 1e-5
 
 
 def test_kernel_on_uniform_weights_converted_to_bcq():
@@ -84,4 +77,4 @@ def test_kernel_on_uniform_weights_converted_to_bcq():
     x = rng.standard_normal((17, 300)).astype(np.float32)
     out = tvm.runtime.tensor(np.zeros((17, 37), np.float32))
     lib["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(bq, NB)], out)
-    assert _rel_err(out.numpy(), x.astype(np.float64) @ uq.dequantize().astype(np.float64)) < 1e-5
+    assert rel_err(out.numpy(), x.astype(np.float64) @ uq.dequantize().astype(np.float64)) < 1e-5

@@ -8,29 +8,14 @@ import tvm
 from qtvm import ops
 from qtvm.formats import get_format
 from qtvm.hostinfo import host_cpu_flags
-from schedules import schedule_kernel
+from tests.kernels import AVX2, NB, rel_err, run_blocked
+from tests.kernels import compile_scheduled as build
 
-AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
 ISA_TARGETS = {"avx2": AVX2,
                "avx512bw": tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}),
                "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})}
 ISA_FLAGS = {"avx2": {"avx2"}, "avx512bw": {"avx512bw"}, "avx512vnni": {"avx512bw", "avx512_vnni"}}
 RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= host_cpu_flags()]
-NB = 64
-
-
-def build(func, target):
-    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
-
-
-def run_fp32(lib, x, qt):
-    y = tvm.runtime.tensor(np.zeros((x.shape[0], qt.n), np.float32))
-    lib["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], y)
-    return y.numpy()
-
-
-def rel_err(got, want):
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 @pytest.mark.parametrize("preset,k,n", [
@@ -44,7 +29,7 @@ def test_qmatmul_fp32_activations(preset, k, n):
     lib = build(ops.qmatmul_func(fmt, k, n, NB), AVX2)
     for m in (1, 17):  # one compiled kernel, symbolic M
         x = rng.standard_normal((m, k)).astype(np.float32)
-        assert rel_err(run_fp32(lib, x, qt), x.astype(np.float64) @ qt.dequantize()) < 1e-5
+        assert rel_err(run_blocked(lib, x, qt), x.astype(np.float64) @ qt.dequantize()) < 1e-5
 
 
 def test_kernel_carries_format_description():

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tvm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,10 +9,9 @@ from qtvm import ops
 from qtvm.errors import QtvmError
 from qtvm.formats import PRESETS, UniformFormat, get_format
 from qtvm.formats.bcq import VALID_BITS, BCQFormat, from_uniform
-from schedules import schedule_kernel
+from tests.kernels import AVX2 as TARGET
+from tests.kernels import NB, compile_scheduled, run_blocked
 
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
-NB = 64
 
 
 def _sq_err(qt, w):
@@ -167,15 +165,8 @@ def test_from_uniform_rejects_other_formats():
 
 def _compile(qt):
     """The scheduled, compiled qmatmul for ``qt``; returns run(x) -> y."""
-    func = schedule_kernel(ops.qmatmul_func(qt.fmt, qt.k, qt.n, NB), TARGET)
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
-    weights = [tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)]
-
-    def run(x):
-        out = tvm.runtime.tensor(np.zeros((x.shape[0], qt.n), np.float32))
-        lib["main"](tvm.runtime.tensor(x), *weights, out)
-        return out.numpy()
-    return run
+    lib = compile_scheduled(ops.qmatmul_func(qt.fmt, qt.k, qt.n, NB), TARGET)
+    return lambda x: run_blocked(lib, x, qt)
 
 
 @pytest.mark.parametrize("name, k, n", [("bcq3-g128", 1000, 37), ("bcq2-g32", 300, 1), ("bcq4-g64", 300, 37)])

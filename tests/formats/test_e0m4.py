@@ -11,10 +11,9 @@ from qtvm import ops
 from qtvm.errors import QtvmError
 from qtvm.formats import PRESETS, UniformFormat, get_format
 from qtvm.formats.e0m4 import E0M4Format, mae, mae_ratio_vs_int4
-from schedules import schedule_kernel
+from tests.kernels import AVX2 as TARGET
+from tests.kernels import NB, compile_scheduled, rel_err, run_blocked
 
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
-NB = 64
 
 
 def test_presets_and_description():
@@ -144,12 +143,8 @@ def test_qmatmul_kernel_matches_reference(name, k, n):
     rng = np.random.default_rng(k * n)
     qt = get_format(name).quantize(rng.standard_normal((k, n)).astype(np.float32))
     deq = qt.dequantize().astype(np.float64)
-    func = schedule_kernel(ops.qmatmul_func(qt.fmt, k, n, NB), TARGET)
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
-    weights = [tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)]
+    lib = compile_scheduled(ops.qmatmul_func(qt.fmt, k, n, NB), TARGET)
     for m in (1, 17):
         x = rng.standard_normal((m, k)).astype(np.float32)
-        out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
-        lib["main"](tvm.runtime.tensor(x), *weights, out)
         ref = x.astype(np.float64) @ deq
-        assert np.abs(out.numpy() - ref).max() / np.abs(ref).max() < 1e-5
+        assert rel_err(run_blocked(lib, x, qt), ref) < 1e-5

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tvm
 
 from qtvm import ops
 from qtvm.errors import QtvmError
 from qtvm.formats import PRESETS, UniformFormat, get_format
 from qtvm.formats.gptq import ActOrderFormat, QZerosFormat, gptq_quantize, reorder_for_kernel
-from schedules.x86 import schedule_qmatmul_x86
+from tests.kernels import AVX2 as TARGET
+from tests.kernels import NB, compile_scheduled, run_blocked
 
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
-NB = 64
 
 
 def correlated(rng, s: int, k: int, rank: int = 16, noise: float = 0.1, mix=None):
@@ -29,12 +27,7 @@ def out_err(x, w, d) -> float:
 
 
 def run_kernel(qt, x):
-    func = schedule_qmatmul_x86(ops.qmatmul_func(qt.fmt, qt.k, qt.n, NB), TARGET)
-    lib = tvm.compile(func.mod, target=TARGET)
-    out = tvm.runtime.tensor(np.zeros((x.shape[0], qt.n), np.float32))
-    lib["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32)),
-                *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], out)
-    return out.numpy()
+    return run_blocked(compile_scheduled(ops.qmatmul_func(qt.fmt, qt.k, qt.n, NB), TARGET), x, qt)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from qtvm import ops
 from qtvm.errors import QtvmError
 from qtvm.formats import UniformFormat, get_format
 from schedules.x86 import schedule_qmatmul_x86
+from tests.kernels import AVX2 as TARGET
+from tests.kernels import NB, run_blocked
 
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
-NB = 64
 BITS = (2, 3, 4, 8)
 
 
@@ -199,11 +199,7 @@ def _kernel(fmt: UniformFormat, k: int, n: int):
 
 
 def run_qmatmul(qt, x: np.ndarray) -> np.ndarray:
-    lib = _kernel(qt.fmt, qt.k, qt.n)
-    out = tvm.runtime.tensor(np.zeros((x.shape[0], qt.n), np.float32))
-    lib["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32)),
-                *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], out)
-    return out.numpy()
+    return run_blocked(_kernel(qt.fmt, qt.k, qt.n), x, qt)
 
 
 def check_kernel(fmt, k: int, n: int, seed: int = 0, ms=(1, 17)):

@@ -21,8 +21,8 @@ from qtvm.formats import get_format
 from qtvm.ops_gemm import BLOCK_DEQUANT, KERNEL_NAME, qmatmul_gemm_func
 from schedules.target_facts import cpu_facts, host_supports, resolve_host_target
 from schedules.x86_gemm import gemm_tiles, schedule_qmatmul_gemm_x86
+from tests.kernels import NB, run_blocked
 
-NB = 64
 TARGETS = {
     "znver3": tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}),
     "host": resolve_host_target({"kind": "llvm"}),
@@ -46,10 +46,7 @@ def build(fmt_name: str, k: int, n: int, target_name: str):
 
 
 def run(lib, qt, x: np.ndarray) -> np.ndarray:
-    out = tvm.runtime.tensor(np.full((x.shape[0], qt.n), np.nan, np.float32))
-    lib["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32)),
-                *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], out)
-    return out.numpy()
+    return run_blocked(lib, x, qt)
 
 
 def check(fmt_name: str, k: int, n: int, target_name: str, ms=MS, seed: int = 0):
