@@ -37,7 +37,6 @@ class QuantizeReport:
     layers: list[QuantizedMatmul] = field(default_factory=list)
     float_matmuls: int = 0  # weight is computed at run time
     fp32_activation_fallbacks: list[str] = field(default_factory=list)  # int8 asked, not possible
-    dispatch_functions: int = 0
 
     @property
     def packed_bytes(self) -> int:
@@ -173,7 +172,6 @@ class _Rewriter(PyExprMutator):
         choose = relax.If(relax.prim_value(m <= GEMV_MAX_ROWS), branch(gemv), branch(gemm))
         body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, choose)])], result)
         func = relax.Function([x], body, out_ty, is_pure=True)  # private: no global symbol
-        self.report.dispatch_functions += 1
         return self.builder_.add_func(func, f"qmatmul_dispatch_{len(self.report.layers)}")
 
     def _emit_sparse(self, x2, rows, qt: QuantizedTensor, csr):
