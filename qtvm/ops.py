@@ -121,10 +121,8 @@ BLOCK_DOT, BLOCK_GPART = "dot", "gpart"
 
 def supports_int8_activations(fmt: QuantFormat, k: int) -> bool:
     """The byte-plane dot needs 2- or 4-bit codes the weight is affine in, 32-aligned groups."""
-    from tvm import tirx as _t
-
-    zero = _t.const(0, "int32")
-    affine = fmt.te_code_affine(lambda name, row: _t.const(0, fmt.array_dtype(name)), zero) is not None
+    zero = tirx.const(0, "int32")
+    affine = fmt.te_code_affine(lambda name, row: tirx.const(0, fmt.array_dtype(name)), zero) is not None
     return (affine and fmt.describe().get("bits") in (2, 4)
             and fmt.group_size_for(k) % ACT_BLOCK == 0 and fmt.padded_k(k) % ACT_BLOCK == 0)
 
