@@ -120,11 +120,25 @@ BLOCK_DOT, BLOCK_GPART = "dot", "gpart"
 
 
 def supports_int8_activations(fmt: QuantFormat, k: int) -> bool:
-    """The byte-plane dot needs 2- or 4-bit codes the weight is affine in, 32-aligned groups."""
+    """The byte-plane dot needs 2/3/4-bit codes the weight is affine in, 32-aligned groups."""
+    from qtvm.intrin.x86 import BITS
+
     zero = tirx.const(0, "int32")
     affine = fmt.te_code_affine(lambda name, row: tirx.const(0, fmt.array_dtype(name)), zero) is not None
-    return (affine and fmt.describe().get("bits") in (2, 4)
+    return (affine and fmt.describe().get("bits") in BITS
             and fmt.group_size_for(k) % ACT_BLOCK == 0 and fmt.padded_k(k) % ACT_BLOCK == 0)
+
+
+def a8_arrays(qt: QuantizedTensor, nb: int) -> list[np.ndarray]:
+    """The int8-activation kernel's weight arguments: ``blocked_arrays`` with the codes
+    in byte-plane order (a compile-time relayout for 3-bit; 2/4-bit are already in it)."""
+    from qtvm.intrin.x86 import pack_byte_planes
+
+    arrays = blocked_arrays(qt, nb)
+    if int(qt.fmt.describe()["bits"]) == 3:
+        codes = qt.fmt.unpack(qt.arrays["qweight"], qt.fmt.padded_k(qt.k))
+        arrays[list(qt.fmt.array_rows(qt.k)).index("qweight")] = block_columns(pack_byte_planes(codes, 3), nb)
+    return arrays
 
 
 def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
@@ -134,10 +148,9 @@ def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
     computes exactly x_hat @ W_hat: the zero-point term then cancels the
     rounding error of x * code instead of amplifying it (as llama.cpp's q8_1).
     """
-    from qtvm.intrin.x86 import planes
+    from qtvm.intrin.x86 import act_value
 
     bits = int(fmt.describe()["bits"])
-    pc, vpw = planes(bits), 32 // bits
     m = te.var("m", "int64")
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     x = te.placeholder((m, k), "float32", name="x")
@@ -148,8 +161,8 @@ def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
     xd = te.compute((m, kp // ACT_BLOCK), lambda i, b: amax[i, b] / 127.0, name="xd")
 
     def quant(i, pos):
-        q = pos % vpw
-        src = pos - q + (q % 4) * pc + q // 4  # plane-major position -> value index
+        q = pos % ACT_BLOCK
+        src = pos - q + act_value(bits, q)  # byte-plane position -> value index
         a = amax[i, src // ACT_BLOCK]
         inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
         return tirx.max(tirx.min(tirx.round(xk(i, src) * inv), 127.0), -127.0).astype("int8")
@@ -168,35 +181,32 @@ def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
 
 
 def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
-    """PrimFunc(xq, xd, xs, *blocked weights, y): y = x @ W with int8-rounded x.
+    """PrimFunc(xq, xd, xs, *a8_arrays, y): y = x @ W with int8-rounded x.
 
     dot[m, b, n] = sum over 32 values of xq * code (int32, exact)
     y[m, n] = sum_g scale * sum_{b in g} xd[m, b] * dot[m, b, n] + offset * xs[m, g]
     """
-    from qtvm.intrin.x86 import planes
+    from qtvm.intrin.x86 import act_position, block_code
 
     desc = fmt.describe()
     bits = int(desc["bits"])
-    pc, vpw = planes(bits), 32 // bits
-    mask = (1 << bits) - 1
     m = te.var("m", "int64")
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     ngroups, nblk, nact = kp // gs, -(-n // nb), kp // ACT_BLOCK
-    words_per_act, acts_per_group = ACT_BLOCK // vpw, gs // ACT_BLOCK
+    acts_per_group = gs // ACT_BLOCK
     xq = te.placeholder((m, kp), "int8", name="xq")
     xd = te.placeholder((m, nact), "float32", name="xd")
     xs = te.placeholder((m, ngroups), "float32", name="xs")
     stored, at_column = weight_inputs(fmt, k, n, nb)
-    qw = stored["qweight"]
+    qw = stored["qweight"]  # byte-plane order (``a8_arrays``): ``bits`` words per 32 values
 
-    rw = te.reduce_axis((0, words_per_act), name="rw")
-    rj = te.reduce_axis((0, vpw), name="rj")
+    rj = te.reduce_axis((0, ACT_BLOCK), name="rj")
     dot = te.compute(
         (m, nact, nblk * nb),
         lambda i, b, j: te.sum(
-            xq[i, b * ACT_BLOCK + rw * vpw + rj % pc * 4 + rj // pc].astype("int32")
-            * tirx.bitwise_and(tirx.shift_right(qw[j // nb, b * words_per_act + rw, j % nb], rj * bits), mask),
-            axis=[rw, rj]),
+            xq[i, b * ACT_BLOCK + act_position(bits, rj)].astype("int32")
+            * block_code(bits, lambda t: qw[j // nb, b * bits + t, j % nb], rj),
+            axis=rj),
         name=BLOCK_DOT)
     rb = te.reduce_axis((0, acts_per_group), name="rb")
     gpart = te.compute(

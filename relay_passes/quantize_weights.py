@@ -134,20 +134,20 @@ class _Rewriter(PyExprMutator):
         from schedules import column_block
 
         nb = column_block(self.target)
-        weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
         out_ty = relax.TensorType([rows, qt.n], "float32")
         fmt, k, n = qt.fmt, qt.k, qt.n
-        if self._int8_activations(fmt, k):
-            kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
-            quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k), k)
-            acts = self.builder_.emit(relax.op.call_tir(quant, relax.Tuple([x2]), [
-                relax.TensorType([rows, kp], "int8"),
-                relax.TensorType([rows, kp // ops.ACT_BLOCK], "float32"),
-                relax.TensorType([rows, groups], "float32")]))
-            args = [self.builder_.emit(relax.TupleGetItem(acts, i)) for i in range(3)]
-            kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
-        else:
+        if not self._int8_activations(fmt, k):
+            weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
             return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, weights, nb), [x2]))
+        weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
+        kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
+        quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k), k)
+        acts = self.builder_.emit(relax.op.call_tir(quant, relax.Tuple([x2]), [
+            relax.TensorType([rows, kp], "int8"),
+            relax.TensorType([rows, kp // ops.ACT_BLOCK], "float32"),
+            relax.TensorType([rows, groups], "float32")]))
+        args = [self.builder_.emit(relax.TupleGetItem(acts, i)) for i in range(3)]
+        kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
         return self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([*args, *weights]), out_ty))
 
     def _dispatch_by_rows(self, qt: QuantizedTensor, weights, nb: int) -> tvm.ir.GlobalVar:

@@ -114,9 +114,10 @@ def dot_isa(target: tvm.target.Target) -> str:
 
 def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *,
                             streams: int | None = None) -> s_tir.Schedule | None:
-    """int8-activation kernel: the word x column-vector dot is one TensorIntrin
-    (``qtvm.intrin.x86``); per 32-value block the int32 dot is scaled into the
-    group partial, per group the scale/offset fold it into the output."""
+    """int8-activation kernel: the dot of one 32-value block with a column vector is
+    one TensorIntrin (``qtvm.intrin.x86``, accumulator in a register); per block the
+    int32 dot is scaled into the group partial, per group the scale/offset fold it
+    into the output."""
     if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul_a8":
         return None
     from qtvm.intrin import x86 as intrin
@@ -139,11 +140,10 @@ def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
     sch.reorder(gp_b, gp_j)
     sch.compute_at(dot, gp_b)
     sch.set_scope(dot, 0, "local")
-    dot_j, dot_w, dot_r = sch.get_loops(dot)[-3:]
+    dot_j, dot_r = sch.get_loops(dot)[-2:]
     lanes = intrin.ISAS[isa]
     vec, lane = sch.split(dot_j, [None, lanes])
-    sch.reorder(dot_w, vec, lane, dot_r)
-    dot_init = sch.decompose_reduction(dot, dot_w)
+    dot_init = sch.decompose_reduction(dot, vec)
     sch.vectorize(sch.get_loops(dot_init)[-1])
     sch.vectorize(gp_j)
     sch.vectorize(acc_j)

@@ -60,13 +60,14 @@ def run_a8(target, fmt, qt, x):
             (((m, kp), np.int8), ((m, kp // 32), np.float32), ((m, groups), np.float32))]
     quant["main"](tvm.runtime.tensor(x), *acts)
     y = tvm.runtime.tensor(np.zeros((m, qt.n), np.float32))
-    lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], y)
+    lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)], y)
     return y.numpy(), lib
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int4-g32", 4096, 1), ("int2-g64", 300, 70),
-                                        ("e0m4-g128", 1000, 37), ("e0m4-g64-f16", 300, 70), ("int4-g128-qz", 1000, 37)])
+                                        ("e0m4-g128", 1000, 37), ("e0m4-g64-f16", 300, 70), ("int4-g128-qz", 1000, 37),
+                                        ("int3-g128", 1000, 37), ("int3-g32", 4096, 1), ("int3-g64-qz", 300, 70)])
 def test_qmatmul_int8_activations(isa, preset, k, n):
     fmt = get_format(preset)
     rng = np.random.default_rng(k)
@@ -113,6 +114,6 @@ def test_unsupported_formats_keep_fp32_activations():
     assert ops.supports_int8_activations(get_format("int4-g128"), 1000)
     assert ops.supports_int8_activations(get_format("e0m4-g128"), 1000)  # affine in its 4-bit code
     assert not ops.supports_int8_activations(get_format("bcq3-g128"), 1000)
-    assert not ops.supports_int8_activations(get_format("int3-g128"), 1000)
+    assert ops.supports_int8_activations(get_format("int3-g128"), 1000)  # re-laid in byte planes
     assert not ops.supports_int8_activations(get_format("int8-g128"), 1000)
     assert not ops.supports_int8_activations(get_format("int4-g16"), 1000)

@@ -96,9 +96,10 @@ def test_every_family_compiles_the_bundled_model(tiny_llama_path, tmp_path, pres
     assert result.metadata["quantized_matmuls"] == 15
 
 
-@pytest.mark.parametrize("preset", ["e0m4-g128", "mixed-2-4-16"])
+@pytest.mark.parametrize("preset", ["e0m4-g128", "int3-g64", "mixed-2-4-16"])
 def test_int8_activations_end_to_end(tiny_llama_path, tmp_path, preset):
-    """--act int8 through the pass: E0M4 via its code-affine form; mixed's 4-bit part too,
+    """--act int8 through the pass: E0M4 via its code-affine form; int3 re-laid in byte
+    planes (K = 704 is not a multiple of its 64-row groups); mixed's 4-bit part too,
     while its 2-bit part (16-row groups, finer than the 32-value activation blocks) keeps
     fp32 activations and says so."""
     from qtvm import runtime

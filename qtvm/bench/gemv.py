@@ -51,7 +51,8 @@ class QtvmGemv(peer_lib.Peer):
                     ((1, kp // fmt.group_size_for(self.K)), np.float32))]
             else:
                 kernels, scratch = (build(ops.qmatmul_func(fmt, self.K, self.N, nb)),), []
-            _shared = (qt, ops.blocked_arrays(qt, nb), kernels, scratch, activations)
+            arrays = ops.a8_arrays(qt, nb) if activations == "int8" else ops.blocked_arrays(qt, nb)
+            _shared = (qt, arrays, kernels, scratch, activations)
         self._shared = _shared
         qt, arrays, _, _, _ = _shared
         self._weights = [tvm.runtime.tensor(a.copy()) for a in arrays]

@@ -97,9 +97,9 @@ class QuantFormat(ABC):
 
     def te_code_affine(self, load: ArrayLoader, g):
         """(coef, offset) with w = coef * code + offset for the raw unsigned integer
-        code stored in ``qweight`` (value j of a word at bits [b*j, b*j + b)), or
-        None when the weight is not affine in such a code. Integer-dot kernels
-        (int8 activations) need it."""
+        code stored in ``qweight``, or None when the weight is not affine in such a
+        code. Integer-dot kernels (int8 activations) need it; they read the codes
+        in byte-plane order (``qtvm.ops.a8_arrays`` re-lays 3-bit runs)."""
         return None
 
     def kernel_parts(self, qt: QuantizedTensor) -> "KernelParts":

@@ -158,8 +158,6 @@ class UniformFormat(GroupedAlongK, QuantFormat):
         return [s], -load("zeros", g) * s
 
     def te_code_affine(self, load: ArrayLoader, g):
-        if self.bits == 3:  # codes straddle words: no byte-plane layout
-            return None
         coefs, offset = self.te_group_coefs(load, g)
         return coefs[0], offset
 

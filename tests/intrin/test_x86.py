@@ -1,23 +1,58 @@
 from __future__ import annotations
 
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tvm import s_tir
 
+from qtvm.formats import get_format
 from qtvm.intrin import x86
 
 
-def test_plane_order_is_the_inverse_of_plane_index():
-    for bits in (2, 4):
-        order = x86.plane_order(bits)
-        assert sorted(order) == list(range(32 // bits))
-        assert [x86.plane_index(bits, j) for j in order] == list(range(32 // bits))
+@pytest.mark.parametrize("bits", x86.BITS)
+def test_act_value_is_the_inverse_of_act_position(bits):
+    positions = [x86.act_position(bits, j) for j in range(x86.BLOCK)]
+    assert sorted(positions) == list(range(x86.BLOCK))
+    assert [x86.act_value(bits, q) for q in positions] == list(range(x86.BLOCK))
 
 
-def test_int4_planes_are_even_then_odd_nibbles():
-    assert x86.plane_order(4) == [0, 2, 4, 6, 1, 3, 5, 7]
+def test_int4_units_are_even_then_odd_nibbles_of_each_word():
+    # unit 0 = low nibbles of word 0 (values 0, 2, 4, 6), unit 1 = its high nibbles
+    assert [x86.act_value(4, q) for q in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("bits", x86.BITS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_byte_planes_round_trip(bits, data):
+    blocks, n = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    codes = rng.integers(0, 1 << bits, (blocks * 32, n)).astype(np.uint32)
+    words = x86.pack_byte_planes(codes, bits)
+    assert words.shape == (blocks * bits, n) and words.dtype == np.int32  # still `bits` bits a weight
+    np.testing.assert_array_equal(x86.unpack_byte_planes(words, bits), codes)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+def test_2_and_4_bit_byte_planes_are_the_storage_packing(bits):
+    """Only 3-bit runs need a compile-time relayout."""
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, (128, 3)).astype(np.uint32)
+    np.testing.assert_array_equal(x86.pack_byte_planes(codes, bits), get_format(f"int{bits}-g128").pack(codes))
+
+
+def test_int3_unit_high_bits_sit_at_the_unit_index_of_each_byte():
+    """One shift by (unit - 2) moves a unit's high bits to bit 2 of every byte."""
+    for u in range(8):
+        codes = np.zeros((32, 1), np.uint32)
+        values = [x86.act_value(3, 4 * u + byte) for byte in range(4)]
+        codes[values] = 4  # only the high bit set
+        hi_word = int(x86.pack_byte_planes(codes, 3).view(np.uint32)[2, 0])
+        assert hi_word == sum(1 << (8 * byte + u) for byte in range(4))
 
 
 def test_every_intrinsic_is_registered_with_a_systematic_name():
-    for bits in (2, 4):
+    for bits in x86.BITS:
         for isa, lanes in x86.ISAS.items():
             name = x86.intrin_name(bits, isa)
             assert name == f"qtvm_dot_u{bits}s8_i32x{lanes}_{isa}"
