@@ -88,17 +88,22 @@ def test_host_can_run_avx2_path():
     assert "avx2" in RUNNABLE  # every supported x86 host; the AVX-512 variants run where the CPU has them
 
 
+@pytest.mark.parametrize("preset", ["int4-g128", "int3-g128", "int2-g64"])
 @pytest.mark.parametrize("isa,pattern,register", [
     ("avx512vnni", ["vpdpbusd"], "zmm"), ("avx512bw", ["vpmaddubsw", "vpmaddwd"], "zmm"),
     ("avx2", ["vpmaddubsw", "vpmaddwd"], "ymm")])
-def test_int8_dot_asm(isa, pattern, register):
+def test_int8_dot_asm(preset, isa, pattern, register):
     """The byte-dot intrinsic lands as its instruction on full-width registers, no scalar extracts."""
-    fmt = get_format("int4-g128")
+    fmt = get_format(preset)
     asm = build(ops.qmatmul_a8_func(fmt, 4096, 256, NB), ISA_TARGETS[isa]).mod.inspect_source("asm")
+    lines = asm.splitlines()
     for instr in pattern:
-        assert any(instr in line and register in line for line in asm.splitlines()), instr
+        assert any(instr in line and register in line for line in lines), instr
     assert "vpextrd" not in asm and "vpextrb" not in asm
-    assert "prefetcht0" in asm  # the weight stream is prefetched ahead
+    assert "prefetcht1" in asm  # the weight stream is prefetched ahead, into L2
+    # unpack: vector shifts and masks of whole code words
+    assert any("vpsrld" in line and register in line for line in lines)
+    assert any("vpand" in line and register in line for line in lines)
 
 
 def test_fp32_unpack_asm_avx512():
