@@ -141,8 +141,9 @@ def a8_arrays(qt: QuantizedTensor, nb: int) -> list[np.ndarray]:
     return arrays
 
 
-def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
-    """x[m, k] -> (xq[m, K_pad] int8 in byte-plane order, xd[m, K_pad/32] scales, xs[m, G] group sums).
+def quantize_activations_func(fmt: QuantFormat, k: int, row_tile: int = 1) -> tvm.tirx.PrimFunc:
+    """x[m, k] -> (xq[mp, K_pad] int8 in byte-plane order, xd[mp, K_pad/32] scales, xs[mp, G] group sums),
+    mp = m rounded up to ``row_tile`` (the padding rows are zero: the prefill kernel works in row tiles).
 
     xs sums the *rounded* activations (sum_b xd_b * sum xq), so the kernel
     computes exactly x_hat @ W_hat: the zero-point term then cancels the
@@ -152,13 +153,17 @@ def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
 
     bits = int(fmt.describe()["bits"])
     m = te.var("m", "int64")
+    mp = m if row_tile == 1 else ((m - 1) // row_tile + 1) * row_tile
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     x = te.placeholder((m, k), "float32", name="x")
-    xk = padded_reader(x, k, kp)
+    xk_rows = padded_reader(x, k, kp)
+    xk = xk_rows if row_tile == 1 else (lambda i, kk: tirx.if_then_else(
+        i < m, xk_rows(tirx.min(i, m - 1), kk), tirx.const(0.0, "float32")))
 
     r = te.reduce_axis((0, ACT_BLOCK), name="r")
-    amax = te.compute((m, kp // ACT_BLOCK), lambda i, b: te.max(tirx.abs(xk(i, b * ACT_BLOCK + r)), axis=r), name="amax")
-    xd = te.compute((m, kp // ACT_BLOCK), lambda i, b: amax[i, b] / 127.0, name="xd")
+    amax = te.compute((mp, kp // ACT_BLOCK), lambda i, b: te.max(tirx.abs(xk(i, b * ACT_BLOCK + r)), axis=r),
+                      name="amax")
+    xd = te.compute((mp, kp // ACT_BLOCK), lambda i, b: amax[i, b] / 127.0, name="xd")
 
     def quant(i, pos):
         q = pos % ACT_BLOCK
@@ -167,61 +172,102 @@ def quantize_activations_func(fmt: QuantFormat, k: int) -> tvm.tirx.PrimFunc:
         inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
         return tirx.max(tirx.min(tirx.round(xk(i, src) * inv), 127.0), -127.0).astype("int8")
 
-    xq = te.compute((m, kp), quant, name="xq")
+    xq = te.compute((mp, kp), quant, name="xq")
     r2 = te.reduce_axis((0, ACT_BLOCK), name="r2")
-    bsum = te.compute((m, kp // ACT_BLOCK), lambda i, b: te.sum(xq[i, b * ACT_BLOCK + r2].astype("int32"), axis=r2),
+    bsum = te.compute((mp, kp // ACT_BLOCK), lambda i, b: te.sum(xq[i, b * ACT_BLOCK + r2].astype("int32"), axis=r2),
                       name="bsum")
     per_group = gs // ACT_BLOCK
     r3 = te.reduce_axis((0, per_group), name="r3")
-    xs = te.compute((m, kp // gs), lambda i, g: te.sum(
+    xs = te.compute((mp, kp // gs), lambda i, g: te.sum(
         xd[i, g * per_group + r3] * bsum[i, g * per_group + r3].astype("float32"), axis=r3), name="xs")
     func = te.create_prim_func([x, xq, xd, xs])
     return func.with_attrs({KERNEL_ATTR: "quantize_activations",
-                            FORMAT_ATTR: dict(fmt.describe(), k=k, padded_k=kp, group=gs)})
+                            FORMAT_ATTR: dict(fmt.describe(), k=k, padded_k=kp, group=gs, row_tile=row_tile)})
+
+
+def _a8_inputs(fmt: QuantFormat, k: int, n: int, nb: int, rows):
+    """The int8-activation kernels' inputs for ``rows`` activation rows."""
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    xq = te.placeholder((rows, kp), "int8", name="xq")
+    xd = te.placeholder((rows, kp // ACT_BLOCK), "float32", name="xd")
+    xs = te.placeholder((rows, kp // gs), "float32", name="xs")
+    stored, at_column = weight_inputs(fmt, k, n, nb)
+    return xq, xd, xs, stored, at_column
+
+
+def _a8_stages(fmt: QuantFormat, k: int, n: int, nb: int, xq, xd, xs, stored, at_column, row_shape, row_of):
+    """dot -> gpart -> acc over output rows of shape ``row_shape``; ``row_of(*row)`` is the
+    activation row. Returns acc[*row, j]."""
+    from qtvm.intrin.x86 import act_position, block_code
+
+    bits = int(fmt.describe()["bits"])
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ngroups, nblk, nact = kp // gs, -(-n // nb), kp // ACT_BLOCK
+    acts_per_group = gs // ACT_BLOCK
+    qw = stored["qweight"]  # byte-plane order (``a8_arrays``): ``bits`` words per 32 values
+    nr = len(row_shape)
+
+    # dot[*rows, b, j]; with a row tile (t, r) stored [t, b, r, j]: rows next to columns,
+    # so the tile's accumulators are one [rows, lanes] region for the intrinsic.
+    tiled = nr == 2
+    def dot_index(rows, b, j):
+        return (rows[0], b, rows[1], j) if tiled else (*rows, b, j)
+
+    rj = te.reduce_axis((0, ACT_BLOCK), name="rj")
+
+    def dot_value(*idx):
+        rows, b, j = (idx[:1] + idx[2:3], idx[1], idx[3]) if tiled else (idx[:nr], idx[nr], idx[nr + 1])
+        return te.sum(
+            xq[row_of(*rows), b * ACT_BLOCK + act_position(bits, rj)].astype("int32")
+            * block_code(bits, lambda t: qw[j // nb, b * bits + t, j % nb], rj),
+            axis=rj)
+
+    dot = te.compute(dot_index(row_shape, nact, nblk * nb), dot_value, name=BLOCK_DOT)
+    rb = te.reduce_axis((0, acts_per_group), name="rb")
+    gpart = te.compute(
+        (*row_shape, ngroups, nblk * nb),
+        lambda *idx: te.sum(xd[row_of(*idx[:nr]), idx[nr] * acts_per_group + rb]
+                            * dot[dot_index(idx[:nr], idx[nr] * acts_per_group + rb, idx[nr + 1])].astype("float32"),
+                            axis=rb),
+        name=BLOCK_GPART)
+    rg = te.reduce_axis((0, ngroups), name="g")
+
+    def group_term(*idx):
+        coef, offset = fmt.te_code_affine(at_column(idx[nr]), rg)
+        return coef * gpart[(*idx[:nr], rg, idx[nr])] + offset * xs[row_of(*idx[:nr]), rg]
+
+    return te.compute((*row_shape, nblk * nb), lambda *idx: te.sum(group_term(*idx), axis=rg), name=BLOCK_ACC)
+
+
+def _a8_func(fmt, k, n, nb, inputs, y, kernel: str, **extra) -> tvm.tirx.PrimFunc:
+    xq, xd, xs, stored, _ = inputs
+    func = te.create_prim_func([xq, xd, xs, *stored.values(), y])
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    attrs = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, activations="int8", **extra)
+    return func.with_attrs({KERNEL_ATTR: kernel, FORMAT_ATTR: attrs})
 
 
 def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
-    """PrimFunc(xq, xd, xs, *a8_arrays, y): y = x @ W with int8-rounded x.
+    """PrimFunc(xq, xd, xs, *a8_arrays, y): y = x @ W with int8-rounded x (the GEMV).
 
     dot[m, b, n] = sum over 32 values of xq * code (int32, exact)
     y[m, n] = sum_g scale * sum_{b in g} xd[m, b] * dot[m, b, n] + offset * xs[m, g]
     """
-    from qtvm.intrin.x86 import act_position, block_code
-
-    desc = fmt.describe()
-    bits = int(desc["bits"])
     m = te.var("m", "int64")
-    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
-    ngroups, nblk, nact = kp // gs, -(-n // nb), kp // ACT_BLOCK
-    acts_per_group = gs // ACT_BLOCK
-    xq = te.placeholder((m, kp), "int8", name="xq")
-    xd = te.placeholder((m, nact), "float32", name="xd")
-    xs = te.placeholder((m, ngroups), "float32", name="xs")
-    stored, at_column = weight_inputs(fmt, k, n, nb)
-    qw = stored["qweight"]  # byte-plane order (``a8_arrays``): ``bits`` words per 32 values
-
-    rj = te.reduce_axis((0, ACT_BLOCK), name="rj")
-    dot = te.compute(
-        (m, nact, nblk * nb),
-        lambda i, b, j: te.sum(
-            xq[i, b * ACT_BLOCK + act_position(bits, rj)].astype("int32")
-            * block_code(bits, lambda t: qw[j // nb, b * bits + t, j % nb], rj),
-            axis=rj),
-        name=BLOCK_DOT)
-    rb = te.reduce_axis((0, acts_per_group), name="rb")
-    gpart = te.compute(
-        (m, ngroups, nblk * nb),
-        lambda i, g, j: te.sum(xd[i, g * acts_per_group + rb] * dot[i, g * acts_per_group + rb, j].astype("float32"),
-                               axis=rb),
-        name=BLOCK_GPART)
-    rg = te.reduce_axis((0, ngroups), name="g")
-
-    def group_term(i, j):
-        coef, offset = fmt.te_code_affine(at_column(j), rg)
-        return coef * gpart[i, rg, j] + offset * xs[i, rg]
-
-    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
+    inputs = _a8_inputs(fmt, k, n, nb, m)
+    acc = _a8_stages(fmt, k, n, nb, *inputs, (m,), lambda i: i)
     y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
-    func = te.create_prim_func([xq, xd, xs, *stored.values(), y])
-    attrs = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, activations="int8")
-    return func.with_attrs({KERNEL_ATTR: "qmatmul_a8", FORMAT_ATTR: attrs})
+    return _a8_func(fmt, k, n, nb, inputs, y, "qmatmul_a8")
+
+
+def qmatmul_a8_gemm_func(fmt: QuantFormat, k: int, n: int, nb: int, row_tile: int) -> tvm.tirx.PrimFunc:
+    """The prefill form: rows in tiles of ``row_tile`` so each unpacked weight vector is
+    dotted with ``row_tile`` rows. Takes the activations of
+    ``quantize_activations_func(..., row_tile)`` (m rounded up to row_tile, zero padded)."""
+    m = te.var("m", "int64")
+    tiles = (m - 1) // row_tile + 1  # (m + R - 1) // R, in the form TVM proves covers y's rows
+    inputs = _a8_inputs(fmt, k, n, nb, tiles * row_tile)
+    rows = tirx.const(row_tile, "int64")  # int64 like M's loops, as the intrinsic's row loop
+    acc = _a8_stages(fmt, k, n, nb, *inputs, (tiles, rows), lambda t, r: t * row_tile + r)
+    y = te.compute((m, n), lambda i, j: acc[i // row_tile, i % row_tile, j], name=BLOCK_OUT)
+    return _a8_func(fmt, k, n, nb, inputs, y, "qmatmul_a8_gemm", row_tile=row_tile)

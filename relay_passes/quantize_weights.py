@@ -21,7 +21,8 @@ from schedules import schedule_kernel
 MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
-GEMV_MAX_ROWS = 2  # above this, dequantizing a tile once beats re-unpacking per row (measured M = 3)
+GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per row (measured M = 3)
+ROW_TILE = 4  # rows per tile of the int8-activation prefill kernel (qtvm.intrin.x86.ROW_TILE)
 
 
 @dataclass
@@ -134,42 +135,66 @@ class _Rewriter(PyExprMutator):
         from schedules import column_block
 
         nb = column_block(self.target)
-        out_ty = relax.TensorType([rows, qt.n], "float32")
-        fmt, k, n = qt.fmt, qt.k, qt.n
-        if not self._int8_activations(fmt, k):
+        if self._int8_activations(qt.fmt, qt.k):
+            weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
+            small, large = self._a8_branch(qt, weights, nb, 1), self._a8_branch(qt, weights, nb, ROW_TILE)
+        else:
+            from qtvm.ops_gemm import qmatmul_gemm_func
+
+            fmt, k, n = qt.fmt, qt.k, qt.n
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
-            return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, weights, nb), [x2]))
-        weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
-        kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
-        quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k), k)
-        acts = self.builder_.emit(relax.op.call_tir(quant, relax.Tuple([x2]), [
-            relax.TensorType([rows, kp], "int8"),
-            relax.TensorType([rows, kp // ops.ACT_BLOCK], "float32"),
-            relax.TensorType([rows, groups], "float32")]))
-        args = [self.builder_.emit(relax.TupleGetItem(acts, i)) for i in range(3)]
-        kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
-        return self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([*args, *weights]), out_ty))
+            gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+            gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
+            small, large = self._call_branch(gemv, weights, n), self._call_branch(gemm, weights, n)
+        return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, small, large), [x2]))
 
-    def _dispatch_by_rows(self, qt: QuantizedTensor, weights, nb: int) -> tvm.ir.GlobalVar:
-        """A private function choosing at run time: GEMV for decode-sized M, else the
-        dequantize-once GEMM (measured crossover: M = 3). Relax allows ``If`` only
-        outside dataflow blocks, hence a function of its own."""
-        from qtvm.ops_gemm import qmatmul_gemm_func
+    @staticmethod
+    def _call_branch(kernel, weights, n: int):
+        """x -> [y = call_tir(kernel, x, weights)]."""
+        return lambda x, m: [relax.op.call_tir(kernel, relax.Tuple([x, *weights]), relax.TensorType([m, n], "float32"))]
 
+    def _a8_branch(self, qt: QuantizedTensor, weights, nb: int, row_tile: int):
+        """x -> [acts = quantize_activations(x), its three parts, y = call_tir(int8 kernel)];
+        row_tile 1 is the GEMV, ROW_TILE the prefill kernel (activations padded to whole tiles)."""
         fmt, k, n = qt.fmt, qt.k, qt.n
-        gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
-        gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
+        kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
+        quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k, row_tile), k, row_tile)
+        if row_tile == 1:
+            kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
+        else:
+            kernel = self._kernel("qmatmul_a8_gemm", fmt, lambda: ops.qmatmul_a8_gemm_func(fmt, k, n, nb, row_tile),
+                                  k, n)
+
+        def bindings(x, m):
+            mp = m if row_tile == 1 else ((m - 1) // row_tile + 1) * row_tile
+            acts = relax.op.call_tir(quant, relax.Tuple([x]), [
+                relax.TensorType([mp, kp], "int8"), relax.TensorType([mp, kp // ops.ACT_BLOCK], "float32"),
+                relax.TensorType([mp, groups], "float32")])
+            parts = [lambda prev, i=i: relax.TupleGetItem(prev[0], i) for i in range(3)]
+            return [acts, *parts, lambda prev: relax.op.call_tir(
+                kernel, relax.Tuple([*prev[1:4], *weights]), relax.TensorType([m, n], "float32"))]
+        return bindings
+
+    def _dispatch_by_rows(self, qt: QuantizedTensor, small, large) -> tvm.ir.GlobalVar:
+        """A private function choosing at run time: the GEMV for decode-sized M, else the
+        prefill kernel (measured crossover: M = 3, fp32 and int8 activations alike).
+        Relax allows ``If`` only outside dataflow blocks, hence a function of its own.
+        A branch is a list of bindings: an expression, or prev-values -> expression."""
         m = tvm.tirx.Var("m", "int64")
-        x = relax.Var("x", relax.TensorType([m, k], "float32"))
-        out_ty = relax.TensorType([m, n], "float32")
+        x = relax.Var("x", relax.TensorType([m, qt.k], "float32"))
+        out_ty = relax.TensorType([m, qt.n], "float32")
 
-        def branch(kernel):
-            y = relax.Var("y", out_ty)
-            call = relax.op.call_tir(kernel, relax.Tuple([x, *weights]), out_ty)
-            return relax.SeqExpr([relax.BindingBlock([relax.VarBinding(y, call)])], y)
+        def seq(bindings) -> relax.SeqExpr:
+            names, pairs = [], []
+            for make in bindings(x, m):
+                value = self.builder_.normalize(make if isinstance(make, relax.Expr) else make(names))
+                names.append(relax.Var(f"t{len(names)}", value.ty))
+                pairs.append(relax.VarBinding(names[-1], value))
+            return relax.SeqExpr([relax.BindingBlock(pairs)], names[-1])
 
+        then, other = seq(small), seq(large)
         result = relax.Var("y", out_ty)
-        choose = relax.If(relax.prim_value(m <= GEMV_MAX_ROWS), branch(gemv), branch(gemm))
+        choose = relax.If(relax.prim_value(m <= GEMV_MAX_ROWS), then, other)
         body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, choose)])], result)
         func = relax.Function([x], body, out_ty, is_pure=True)  # private: no global symbol
         return self.builder_.add_func(func, f"qmatmul_dispatch_{len(self.report.layers)}")

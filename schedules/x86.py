@@ -154,6 +154,58 @@ def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
     return sch
 
 
+def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """Prefill with int8 activations: per column block and tile of ``row_tile`` rows, each
+    32-weight block is unpacked once and dotted with every row of the tile (one TensorIntrin
+    call); M is symbolic, its tail rows are zero padding that ``y`` never stores."""
+    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul_a8_gemm":
+        return None
+    from qtvm.intrin import x86 as intrin
+
+    isa = dot_isa(target)
+    if not isa:
+        return None
+    desc = func.attrs[ops.FORMAT_ATTR]
+    nb, bits, rows = int(desc["col_block"]), int(desc["bits"]), int(desc["row_tile"])
+    if rows != intrin.ROW_TILE:
+        return None
+    lanes = intrin.ISAS[isa]
+    sch = s_tir.Schedule(func)
+    out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
+    gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
+    i, j = sch.get_loops(out)
+    jo, ji = sch.split(j, [None, nb])
+    io, ii = sch.split(i, [None, rows])
+    sch.reorder(jo, io, ii, ji)
+    sch.parallel(jo)
+    sch.vectorize(ji)
+    sch.compute_at(acc, io)
+    sch.set_scope(acc, 0, "local")
+    if int(desc["padded_k"]) == int(desc["group"]):
+        sch.add_unit_loop(acc)
+    acc_r, acc_j, acc_g = sch.get_loops(acc)[-3:]
+    sch.reorder(acc_g, acc_r, acc_j)
+    sch.compute_at(gpart, acc_g)
+    sch.set_scope(gpart, 0, "local")
+    if int(desc["group"]) == ops.ACT_BLOCK:
+        sch.add_unit_loop(gpart)
+    gp_r, gp_j, gp_b = sch.get_loops(gpart)[-3:]
+    sch.reorder(gp_b, gp_r, gp_j)
+    sch.compute_at(dot, gp_b)
+    sch.set_scope(dot, 0, "local")
+    dot_r, dot_j, dot_k = sch.get_loops(dot)[-3:]
+    vec, lane = sch.split(dot_j, [None, lanes * intrin.TILE_VECS[isa]])
+    sch.reorder(vec, dot_r, lane, dot_k)
+    dot_init = sch.decompose_reduction(dot, vec)
+    sch.vectorize(sch.get_loops(dot_init)[-1])
+    sch.vectorize(gp_j)
+    sch.vectorize(acc_j)
+    sch.decompose_reduction(gpart, gp_b)
+    sch.decompose_reduction(acc, acc_g)
+    sch.tensorize(dot_r, intrin.tile_intrin_name(bits, isa))
+    return sch
+
+
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
     """M x K elementwise work: parallel over rows; small next to the GEMV."""
     if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "quantize_activations":

@@ -51,15 +51,19 @@ def int8_rounded_reference(x, fmt, qt):
     return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)
 
 
-def run_a8(target, fmt, qt, x):
-    quant = build(ops.quantize_activations_func(fmt, qt.k), target)
-    lib = build(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB), target)
+def run_a8(target, fmt, qt, x, row_tile=None):
+    """quantize_activations + the GEMV (row_tile None) or the row-tiled prefill kernel."""
+    tile = row_tile or 1
+    quant = build(ops.quantize_activations_func(fmt, qt.k, tile), target)
+    lib = build(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB) if row_tile is None
+                else ops.qmatmul_a8_gemm_func(fmt, qt.k, qt.n, NB, row_tile), target)
     kp, groups = fmt.padded_k(qt.k), fmt.padded_k(qt.k) // fmt.group_size_for(qt.k)
     m = x.shape[0]
-    acts = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in
-            (((m, kp), np.int8), ((m, kp // 32), np.float32), ((m, groups), np.float32))]
+    mp = -(-m // tile) * tile
+    acts = [tvm.runtime.tensor(np.full(s, 99, d)) for s, d in  # padding rows must be written too
+            (((mp, kp), np.int8), ((mp, kp // 32), np.float32), ((mp, groups), np.float32))]
     quant["main"](tvm.runtime.tensor(x), *acts)
-    y = tvm.runtime.tensor(np.zeros((m, qt.n), np.float32))
+    y = tvm.runtime.tensor(np.full((m, qt.n), np.nan, np.float32))
     lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)], y)
     return y.numpy(), lib
 
@@ -84,6 +88,20 @@ def test_qmatmul_int8_activations(isa, preset, k, n):
         assert float((np.abs(got - x.astype(np.float64) @ w) / scale).max()) < 0.01
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int3-g64", 300, 70), ("int2-g32", 4096, 1),
+                                        ("e0m4-g128", 1000, 37)])
+def test_qmatmul_int8_activations_prefill(isa, preset, k, n):
+    """Row tiles of 4: M = 1, 4, 5 and 18 (tails of 1..3 padding rows)."""
+    fmt = get_format(preset)
+    rng = np.random.default_rng(k + 1)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    for m in (1, 4, 5, 18):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        got, _ = run_a8(ISA_TARGETS[isa], fmt, qt, x, row_tile=4)
+        assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
+
+
 def test_host_can_run_avx2_path():
     assert "avx2" in RUNNABLE  # every supported x86 host; the AVX-512 variants run where the CPU has them
 
@@ -104,6 +122,20 @@ def test_int8_dot_asm(preset, isa, pattern, register):
     # unpack: vector shifts and masks of whole code words
     assert any("vpsrld" in line and register in line for line in lines)
     assert any("vpand" in line and register in line for line in lines)
+
+
+@pytest.mark.parametrize("isa,instr,register", [("avx512vnni", "vpdpbusd", "zmm"), ("avx512bw", "vpmaddubsw", "zmm"),
+                                                 ("avx2", "vpmaddubsw", "ymm")])
+def test_int8_prefill_asm_keeps_the_tile_in_registers(isa, instr, register):
+    """The row-tiled kernel: byte dots on full registers, and no store of an accumulator
+    between two dots (each weight unit is unpacked once and used for all rows)."""
+    func = ops.qmatmul_a8_gemm_func(get_format("int4-g128"), 4096, 256, NB, 4)
+    lines = build(func, ISA_TARGETS[isa]).mod.inspect_source("asm").splitlines()
+    dots = [i for i, line in enumerate(lines) if instr in line and register in line]
+    assert len(dots) >= 32
+    first, last = dots[0], dots[31]  # one call: 8 units x 4 rows (x vectors)
+    stores = [line for line in lines[first:last] if "vmovdq" in line and "(%r" in line.split(",")[-1]]
+    assert not stores, stores[:3]
 
 
 def test_fp32_unpack_asm_avx512():

@@ -120,13 +120,14 @@ def intrin_name(bits: int, isa: str) -> str:
     return f"qtvm_dot_u{bits}s8_i32x{ISAS[isa]}_{isa}"
 
 
-def _unit_codes(bits: int, W, lanes: int) -> list:
-    """The 8 unit vectors (int32 x lanes, 4 codes a lane) of one block, in unit order."""
+def _unit_codes(bits: int, W, lanes: int, col=0) -> list:
+    """The 8 unit vectors (int32 x lanes, 4 codes a lane) of one block, in unit order,
+    for the columns [col, col + lanes) of W."""
     vec = f"int32x{lanes}"
     const = lambda v: T.broadcast(T.int32(v), lanes)  # noqa: E731
 
     def row(t):
-        return W.vload([t, 0], vec)
+        return W.vload([t, col], vec)
 
     units = []
     for u in range(8):
@@ -144,10 +145,34 @@ def _unit_codes(bits: int, W, lanes: int) -> list:
     return units
 
 
+def _dot(isa: str, lanes: int, acc, code, x):
+    """acc + the 4-byte dot of each lane of ``code`` (unsigned) with ``x`` (signed)."""
+    i32v, i8v, i16v = f"int32x{lanes}", f"int8x{lanes * 4}", f"int16x{lanes * 2}"
+    if isa == "avx512vnni":
+        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(f"llvm.x86.avx512.vpdpbusd.{lanes * 32}"),
+                                       acc, T.reinterpret(code, dtype=i8v), x, dtype=i32v)
+    maddubs = "llvm.x86.avx512.pmaddubs.w.512" if isa == "avx512bw" else "llvm.x86.avx2.pmadd.ub.sw"
+    maddwd = "llvm.x86.avx512.pmaddw.d.512" if isa == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
+    pairs = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(maddubs), T.reinterpret(code, dtype=i8v), x,
+                                    dtype=i16v)
+    return acc + T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(maddwd), pairs,
+                                         T.broadcast(T.int16(1), lanes * 2), dtype=i32v)
+
+
+def _acts(lanes: int, load4):
+    """A unit's 4 activations (``load4()``: int8x4), broadcast to every lane."""
+    return T.reinterpret(T.broadcast(T.reinterpret(load4(), dtype="int32"), lanes), dtype=f"int8x{lanes * 4}")
+
+
+def _prefetch(W, t, col=0):
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(W[PREFETCH_ROWS + t, col]),
+                              T.int32(0), T.int32(PREFETCH_LOCALITY), T.int32(1))
+
+
 def _make(bits: int, isa: str):
     lanes = ISAS[isa]
-    vbits = lanes * 32
-    i32v, i8v, i16v = f"int32x{lanes}", f"int8x{lanes * 4}", f"int16x{lanes * 2}"
+    i32v = f"int32x{lanes}"
+    dot = lambda acc, code, x: _dot(isa, lanes, acc, code, x)  # noqa: E731
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, w: T.handle, c: T.handle) -> None:
@@ -163,23 +188,7 @@ def _make(bits: int, isa: str):
                     C[vi] = C[vi] + T.Cast("int32", A[act_position(bits, vj)]) * _code_at(bits, W, vi, vj)
 
     def acts(A, u):
-        """Unit u's 4 activations, broadcast to every lane."""
-        return T.reinterpret(T.broadcast(T.reinterpret(A.vload([u * 4], "int8x4"), dtype="int32"), lanes), dtype=i8v)
-
-    def dot(acc, code, x):
-        if isa == "avx512vnni":
-            return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(f"llvm.x86.avx512.vpdpbusd.{vbits}"),
-                                           acc, T.reinterpret(code, dtype=i8v), x, dtype=i32v)
-        maddubs = "llvm.x86.avx512.pmaddubs.w.512" if isa == "avx512bw" else "llvm.x86.avx2.pmadd.ub.sw"
-        maddwd = "llvm.x86.avx512.pmaddw.d.512" if isa == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
-        pairs = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(maddubs), T.reinterpret(code, dtype=i8v), x,
-                                        dtype=i16v)
-        return acc + T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(maddwd), pairs,
-                                             T.broadcast(T.int16(1), lanes * 2), dtype=i32v)
-
-    def prefetch(W, t):
-        return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(W[PREFETCH_ROWS + t, 0]),
-                                  T.int32(0), T.int32(PREFETCH_LOCALITY), T.int32(1))
+        return _acts(lanes, lambda: A.vload([u * 4], "int8x4"))
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, w: T.handle, c: T.handle) -> None:
@@ -191,11 +200,84 @@ def _make(bits: int, isa: str):
             T.reads(C[0:lanes], A[0:BLOCK], W[0:bits, 0:lanes])
             T.writes(C[0:lanes])
             for t in range(bits):
-                T.evaluate(prefetch(W, t))
+                T.evaluate(_prefetch(W, t))
             acc = T.meta_var(_accumulate(C.vload([0], i32v), _unit_codes(bits, W, lanes), [acts(A, u) for u in range(8)], dot, lanes))
             C[T.ramp(T.int32(0), 1, lanes)] = acc
 
     return desc, impl
+
+
+def _make_tile(bits: int, isa: str, rows: int, vecs: int):
+    """The prefill step: a ``rows`` x (``vecs`` vectors) register tile; each unit of each
+    column vector is unpacked once and dotted with every row (QIGen's micro-GEMV tile:
+    rows broadcasts + vecs codes + rows * vecs accumulators fit the registers).
+
+    Every tile sum is bound (``Bind``) before any store to C: C is a workspace buffer that
+    LLVM cannot prove distinct from W, so a store between two W loads would force the
+    loads and unpacks to be redone."""
+    lanes = ISAS[isa]
+    cols, i32v = lanes * vecs, f"int32x{lanes}"
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, w: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (rows, BLOCK), "int8", offset_factor=1)
+        W = T.match_buffer(w, (bits, cols), "int32", offset_factor=1)
+        C = T.match_buffer(c, (rows, cols), "int32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:rows, 0:cols], A[0:rows, 0:BLOCK], W[0:bits, 0:cols])
+            T.writes(C[0:rows, 0:cols])
+            for r, i, j in T.grid(T.int64(rows), cols, BLOCK):  # rows: an int64 loop of the symbolic M
+                with T.sblock("update"):
+                    vr, vi, vj = T.axis.remap("SSR", [r, i, j])
+                    C[vr, vi] = C[vr, vi] + T.Cast("int32", A[vr, act_position(bits, vj)]) * _code_at(bits, W, vi, vj)
+
+    @T.prim_func(s_tir=True)
+    def skeleton(a: T.handle, w: T.handle, c: T.handle) -> None:
+        sa, s0, sc = T.int64(), T.int64(), T.int64()
+        A = T.match_buffer(a, (rows, BLOCK), "int8", offset_factor=1, strides=[sa, 1])
+        W = T.match_buffer(w, (bits, cols), "int32", offset_factor=1, strides=[s0, 1])
+        C = T.match_buffer(c, (rows, cols), "int32", offset_factor=1, scope="local", strides=[sc, 1])
+        with T.sblock("root"):
+            T.reads(C[0:rows, 0:cols], A[0:rows, 0:BLOCK], W[0:bits, 0:cols])
+            T.writes(C[0:rows, 0:cols])
+            T.evaluate(0)  # replaced below
+
+    A, W, C = skeleton.params
+    stmts = [tirx.Evaluate(_prefetch(W, t, v * lanes)) for t in range(bits) for v in range(vecs)]
+    codes = [_unit_codes(bits, W, lanes, v * lanes) for v in range(vecs)]
+    sums = {}
+    for r in range(rows):
+        xs = [_acts(lanes, lambda u=u: A.vload([r, u * 4], "int8x4")) for u in range(8)]
+        for v in range(vecs):
+            acc = T.broadcast(T.int32(0), lanes)
+            for code, x in zip(codes[v], xs):
+                acc = _dot(isa, lanes, acc, code, x)
+            sums[r, v] = tirx.Var(f"tile_{r}_{v}", i32v)
+            stmts.append(tirx.Bind(sums[r, v], acc))
+    for (r, v), total in sums.items():
+        col = tirx.Ramp(tirx.const(v * lanes, "int64"), tirx.const(1, "int64"), lanes)
+        stmts.append(tirx.BufferStore(C, C.vload([r, v * lanes], i32v) + total, [tirx.const(r, "int64"), col]))
+    return desc, _with_block_body(skeleton, tirx.SeqStmt(stmts))
+
+
+def _with_block_body(func, body):
+    """``func`` with its root block's body replaced."""
+    realize = func.body
+    block = realize.block
+    new_block = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                             block.alloc_buffers, block.match_buffers, block.annotations)
+    return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, new_block))
+
+
+# Register tiles of the prefill intrinsic, per ISA: rows x vectors of int32 accumulators.
+# VNNI: 4 x 4 (16 of 32 zmm, a 64-column block per call). pmaddubsw + pmaddwd need two
+# temporaries per dot: AVX-512BW 4 x 2 and AVX2 4 x 1 (4 x 4 and 4 x 2 spilled, checked in asm).
+ROW_TILE = 4
+TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avx2": 1}
+
+
+def tile_intrin_name(bits: int, isa: str) -> str:
+    return f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}"
 
 
 def _accumulate(acc, codes, xs, dot, lanes: int):
@@ -211,11 +293,12 @@ def _accumulate(acc, codes, xs, dot, lanes: int):
 def register_all() -> None:
     for bits in BITS:
         for isa in ISAS:
-            name = intrin_name(bits, isa)
-            try:
-                s_tir.TensorIntrin.get(name)
-            except Exception:  # not registered yet
-                s_tir.TensorIntrin.register(name, *_make(bits, isa))
+            for name, make in ((intrin_name(bits, isa), lambda: _make(bits, isa)),
+                               (tile_intrin_name(bits, isa), lambda: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa]))):
+                try:
+                    s_tir.TensorIntrin.get(name)
+                except Exception:  # not registered yet
+                    s_tir.TensorIntrin.register(name, *make())
 
 
 register_all()
