@@ -112,45 +112,57 @@ def dot_isa(target: tvm.target.Target) -> str:
     return ""
 
 
-def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *,
-                            streams: int | None = None) -> s_tir.Schedule | None:
-    """int8-activation kernel: the dot of one 32-value block with a column vector is
-    one TensorIntrin (``qtvm.intrin.x86``, accumulator in a register); per block the
-    int32 dot is scaled into the group partial, per group the scale/offset fold it
-    into the output."""
-    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul_a8":
+def _a8_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target, kind: str):
+    """(isa, format description, schedule) for an int8-activation kernel of ``kind``, or None."""
+    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != kind:
         return None
-    from qtvm.intrin import x86 as intrin
-
     isa = dot_isa(target)
-    if not isa:
-        return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    nb, bits = int(desc["col_block"]), int(desc["bits"])
-    streams = A8_STREAMS if streams is None else streams
-    sch = s_tir.Schedule(func)
-    out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
+    return (isa, func.attrs[ops.FORMAT_ATTR], s_tir.Schedule(func)) if isa else None
+
+
+def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols: int, tiled: bool):
+    """The part both int8 rules share: per group (``acc_g``) the group partial over its
+    32-value blocks, per block the int32 dot of ``tile_cols`` columns (x the row tile when
+    ``tiled``); returns the loop to tensorize."""
     gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
-    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb * streams)
     sch.compute_at(gpart, acc_g)
     sch.set_scope(gpart, 0, "local")
     if int(desc["group"]) == ops.ACT_BLOCK:
         sch.add_unit_loop(gpart)
-    gp_j, gp_b = sch.get_loops(gpart)[-2:]
-    sch.reorder(gp_b, gp_j)
+    *gp_rows, gp_j, gp_b = sch.get_loops(gpart)[-3 if tiled else -2:]
+    sch.reorder(gp_b, *gp_rows, gp_j)
     sch.compute_at(dot, gp_b)
     sch.set_scope(dot, 0, "local")
-    dot_j, dot_r = sch.get_loops(dot)[-2:]
-    lanes = intrin.ISAS[isa]
-    vec, lane = sch.split(dot_j, [None, lanes])
+    *dot_rows, dot_j, dot_k = sch.get_loops(dot)[-3 if tiled else -2:]
+    vec, lane = sch.split(dot_j, [None, tile_cols])
+    sch.reorder(vec, *dot_rows, lane, dot_k)
     dot_init = sch.decompose_reduction(dot, vec)
     sch.vectorize(sch.get_loops(dot_init)[-1])
     sch.vectorize(gp_j)
     sch.vectorize(acc_j)
     sch.decompose_reduction(gpart, gp_b)
     sch.decompose_reduction(acc, acc_g)
-    sch.tensorize(lane, intrin.intrin_name(bits, isa))
-    sch.vectorize(sch.get_loops(out)[-1])
+    return dot_rows[0] if tiled else lane
+
+
+def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *,
+                            streams: int | None = None) -> s_tir.Schedule | None:
+    """int8-activation kernel: the dot of one 32-value block with a column vector is
+    one TensorIntrin (``qtvm.intrin.x86``, accumulator in a register); per block the
+    int32 dot is scaled into the group partial, per group the scale/offset fold it
+    into the output."""
+    from qtvm.intrin import x86 as intrin
+
+    started = _a8_schedule(func, target, "qmatmul_a8")
+    if started is None:
+        return None
+    isa, desc, sch = started
+    nb, bits = int(desc["col_block"]), int(desc["bits"])
+    streams = A8_STREAMS if streams is None else streams
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb * streams)
+    loop = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.ISAS[isa], False)
+    sch.tensorize(loop, intrin.intrin_name(bits, isa))
+    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
     return sch
 
 
@@ -158,21 +170,14 @@ def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Tar
     """Prefill with int8 activations: per column block and tile of ``row_tile`` rows, each
     32-weight block is unpacked once and dotted with every row of the tile (one TensorIntrin
     call); M is symbolic, its tail rows are zero padding that ``y`` never stores."""
-    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul_a8_gemm":
-        return None
     from qtvm.intrin import x86 as intrin
 
-    isa = dot_isa(target)
-    if not isa:
+    started = _a8_schedule(func, target, "qmatmul_a8_gemm")
+    if started is None or int(started[1]["row_tile"]) != intrin.ROW_TILE:
         return None
-    desc = func.attrs[ops.FORMAT_ATTR]
+    isa, desc, sch = started
     nb, bits, rows = int(desc["col_block"]), int(desc["bits"]), int(desc["row_tile"])
-    if rows != intrin.ROW_TILE:
-        return None
-    lanes = intrin.ISAS[isa]
-    sch = s_tir.Schedule(func)
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
-    gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
     i, j = sch.get_loops(out)
     jo, ji = sch.split(j, [None, nb])
     io, ii = sch.split(i, [None, rows])
@@ -185,24 +190,8 @@ def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Tar
         sch.add_unit_loop(acc)
     acc_r, acc_j, acc_g = sch.get_loops(acc)[-3:]
     sch.reorder(acc_g, acc_r, acc_j)
-    sch.compute_at(gpart, acc_g)
-    sch.set_scope(gpart, 0, "local")
-    if int(desc["group"]) == ops.ACT_BLOCK:
-        sch.add_unit_loop(gpart)
-    gp_r, gp_j, gp_b = sch.get_loops(gpart)[-3:]
-    sch.reorder(gp_b, gp_r, gp_j)
-    sch.compute_at(dot, gp_b)
-    sch.set_scope(dot, 0, "local")
-    dot_r, dot_j, dot_k = sch.get_loops(dot)[-3:]
-    vec, lane = sch.split(dot_j, [None, lanes * intrin.TILE_VECS[isa]])
-    sch.reorder(vec, dot_r, lane, dot_k)
-    dot_init = sch.decompose_reduction(dot, vec)
-    sch.vectorize(sch.get_loops(dot_init)[-1])
-    sch.vectorize(gp_j)
-    sch.vectorize(acc_j)
-    sch.decompose_reduction(gpart, gp_b)
-    sch.decompose_reduction(acc, acc_g)
-    sch.tensorize(dot_r, intrin.tile_intrin_name(bits, isa))
+    loop = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
+    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa))
     return sch
 
 
