@@ -94,6 +94,14 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     return mod, meta, summary, notes
 
 
+def schedule_generic_ops(mod, target: tvm.target.Target):
+    """Target rule for the ops around the packed kernels (norms, softmax, attention,
+    elementwise): fused and scheduled for LLVM targets, untouched for any other."""
+    from schedules.x86_generic import schedule_generic_ops as x86_generic
+
+    return x86_generic(mod, target) if target.kind.name == "llvm" else mod
+
+
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                   activations: str = "fp32", db: str | os.PathLike | None = None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched."""
@@ -101,7 +109,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     out = check_output_path(out)
     target = parse_target(target) if isinstance(target, str) else target
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db)
-    ex = tvm.compile(mod, target=target)
+    ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:

@@ -1,0 +1,441 @@
+"""CPU schedules for everything around the packed kernels: norms, RoPE, softmax,
+attention batch-matmuls, SwiGLU, transposes (LLVM targets only).
+
+TVM 0.27's default CPU pipeline neither fuses these ops nor schedules them: each one
+is its own scalar loop nest (165 calls per tiny-LLaMA forward; ``probs @ V`` alone took
+0.86 ms per layer at 2 x 64, its reduction walking a strided column).
+:func:`schedule_generic_ops` runs before ``tvm.compile``:
+
+1. legalize and fuse with TVM's own CPU passes (LegalizeOps ... FuseOps, FuseTIR), the
+   qtvm kernels marked opaque first so fusion never touches them;
+2. schedule every fused PrimFunc that is not scheduled yet, by block structure (never
+   by name):
+
+   * **injective** (no reduction): inline the chain into the output block, vectorize
+     the innermost loop;
+   * **batch matmul** (one ``C += A * B`` block whose output's last axis is the last
+     index of ``B``): rows and columns zero-padded to whole tiles (``pad_einsum``), then
+     per batch slice 4 rows x 1 vector of accumulators in registers over k; the
+     elementwise epilogue (scale, causal mask) is inlined into the copy-out;
+   * **row reductions** (RMSNorm, softmax): every block computed inside the row loop;
+     constant-length sums and maxima rfactored over the vector lanes, elementwise
+     blocks vectorized.
+
+3. float32 ``exp``/``sigmoid`` in the scheduled functions become a polynomial (1.2 ulp)
+   LLVM can vectorize: on a vector ``llvm.exp`` is one libm call per lane, and exp was
+   half of softmax and SwiGLU.
+
+Every dimension may be symbolic (one module serves every batch and sequence length).
+A vectorized split of a symbolic extent leaves a predicate that TVM's vectorizer
+scalarizes, so the outer loop carries ``pragma_loop_partition_hint``: LoopPartition
+splits off the tail and the main part runs on full vectors.
+
+No parallel loops: a parallel launch costs ~2 us per call, and with 2 threads
+parallel rows/batch slices were measured no faster at 2 x 64 (the packed kernels,
+which are parallel, hold most of the time).
+
+A function no rule fits (cumsum's hand-written scan), or whose schedule raises, keeps
+TVM's default loops. Reshape-pattern functions are left alone: Relax makes them views.
+"""
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import relax, s_tir, tirx
+
+__all__ = ["schedule_generic_ops", "schedule_generic_func", "is_scheduled", "vectorizable_exp"]
+
+_LOG = logging.getLogger(__name__)
+_LOAD = tvm.ir.expr.TensorLoad  # TIR's BufferLoad node in 0.27
+
+#: Opaque op pattern (TVM's kOpaque): FuseOps never fuses a function carrying it.
+_OPAQUE = 8
+#: Rows of the attention matmul's register tile.
+_MM_ROWS = 4
+#: Calls whose cost is far above a load or an FMA: a producer using one is only inlined
+#: where it is computed once per element anyway.
+_EXPENSIVE_CALLS = ("exp", "sigmoid", "sqrt", "rsqrt", "log", "tanh", "erf", "pow", "exp2", "log2")
+
+
+def is_scheduled(func: tirx.PrimFunc) -> bool:
+    """qtvm kernels and anything scheduled before carry one of these attributes."""
+    attrs = func.attrs or {}
+    return "qtvm.kernel" in attrs or bool(attrs.get("tir.is_scheduled", False))
+
+
+def _vector_lanes(target: tvm.target.Target) -> int:
+    """fp32 lanes of the target's widest vector (8 when the target is not in the table)."""
+    try:
+        from schedules.target_facts import cpu_facts
+
+        return int(cpu_facts(target).f32_lanes)
+    except Exception:  # unknown mcpu: AVX2 width is a safe middle ground for LLVM
+        return 8
+
+
+def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Fuse and schedule the non-kernel ops of a Relax module; a no-op unless ``target``
+    is LLVM. The result still goes through ``tvm.compile``'s default pipeline (whose
+    LegalizeOps then has nothing left to do)."""
+    if target.kind.name != "llvm":
+        return mod
+    mod = _mark_kernels_opaque(mod)
+    relax_funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    with target:
+        passes = (relax.backend.cpu_generic.library_dispatch_passes(target)
+                  + relax.backend.cpu_generic.legalize_passes(target))
+        mod = tvm.transform.Sequential(passes)(mod)
+    # FuseTIR drops functions nothing calls, such as the artefact's metadata function.
+    present = {gv.name_hint for gv in mod.get_global_vars()}
+    for name, func in relax_funcs.items():
+        if name not in present:
+            mod[name] = func
+    lanes = _vector_lanes(target)
+    updates = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
+            continue
+        if relax.analysis.has_reshape_pattern(func):
+            continue  # RewriteDataflowReshape makes it a view; a schedule would make it a copy
+        scheduled = schedule_generic_func(func, lanes)
+        if scheduled is not None:
+            updates[gv] = scheduled
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
+def _mark_kernels_opaque(mod: tvm.IRModule) -> tvm.IRModule:
+    updates = {gv: f.with_attr("op_pattern", _OPAQUE) for gv, f in mod.functions.items()
+               if isinstance(f, tirx.PrimFunc) and is_scheduled(f)}
+    mod = mod.clone()  # the caller's module stays as it was
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
+def schedule_generic_func(func: tirx.PrimFunc, lanes: int = 8, fast_exp: bool = True) -> tirx.PrimFunc | None:
+    """The scheduled function (marked ``tir.is_scheduled``), or None when no rule fits."""
+    sch = s_tir.Schedule(func)
+    try:
+        if not _apply_rules(sch, lanes):
+            return None
+    except Exception as err:  # noqa: BLE001 -- TVM raises several kinds; default loops are still correct
+        _LOG.debug("x86_generic: no schedule for %s: %s", func.attrs.get("global_symbol") if func.attrs else "?",
+                   str(err).splitlines()[-1] if str(err) else type(err).__name__)
+        return None
+    scheduled = sch.mod["main"]
+    if fast_exp:  # after scheduling, so the inliner still sees exp as expensive
+        scheduled = vectorizable_exp(scheduled)
+    return scheduled.with_attr("tir.is_scheduled", True)
+
+
+# --------------------------------------------------------------------------- exp
+
+# Cody-Waite split of ln 2: n * _LN2_HI is exact for |n| <= 128 (9 significant bits).
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693359375
+_LN2_LO = -2.1219444005469057e-4
+_EXP_HI = 88.72283935546875   # largest float32 x with exp(x) finite
+_EXP_LO = -86.64              # below: 2^n would leave the normal range; result flushed to 0
+
+
+def _exp_f32(x):
+    """exp(x) from float32 arithmetic only, so LLVM vectorizes it (``llvm.exp`` on a vector
+    becomes one libm call per lane). Range reduction x = n ln2 + r, |r| <= ln2 / 2, and the
+    Taylor polynomial of degree 7 (truncation 6e-9 relative, below float32 rounding);
+    2^n built in the exponent bits as 2 * 2^(n-1) so n = 128 stays representable. Exact
+    special cases: +inf above the overflow point, 0 below 2^-125, NaN passes through."""
+    f32 = "float32"
+
+    def c(v):
+        return tirx.const(v, f32)
+
+    xc = tirx.max(tirx.min(x, c(_EXP_HI)), c(_EXP_LO))
+    n = tirx.floor(xc * c(_LOG2E) + c(0.5))
+    r = xc - n * c(_LN2_HI) - n * c(_LN2_LO)
+    p = c(1.0 / 5040)
+    for coef in (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = p * r + c(coef)
+    bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(126, "int32"), tirx.const(23, "int32"))
+    y = (p * c(2.0)) * tirx.reinterpret(f32, bits)
+    y = tirx.Select(x < c(_EXP_LO), c(0.0), y)
+    y = tirx.Select(x > c(_EXP_HI), tirx.infinity(f32), y)
+    # NaN test on the bits: TVM's simplifier folds x != x to false, and its vectorizer
+    # scalarizes tirx.isnan.
+    magnitude = tirx.reinterpret("int32", x) & tirx.const(0x7FFFFFFF, "int32")
+    return tirx.Select(magnitude > tirx.const(0x7F800000, "int32"), x, y)
+
+
+def vectorizable_exp(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Rewrite float32 ``exp`` and ``sigmoid`` calls with :func:`_exp_f32`
+    (sigmoid(x) = 1 / (1 + exp(-x)))."""
+    import tvm_ffi
+
+    def rewrite(call):
+        op = call.op
+        if not isinstance(op, tvm.ir.Op) or len(call.args) != 1 or str(call.ty) != "float32":
+            return call
+        name = op.name.split(".")[-1]
+        if name == "exp":
+            return _exp_f32(call.args[0])
+        if name == "sigmoid":
+            one = tirx.const(1.0, "float32")
+            return one / (one + _exp_f32(tirx.const(0.0, "float32") - call.args[0]))
+        return call
+
+    return tvm_ffi.structural_map(func, (tvm.ir.Call, rewrite))
+
+
+# --------------------------------------------------------------------------- analysis
+
+def _iter_kinds(sch, block) -> str:
+    """'S'/'R' per block iterator; '?' for anything else (scans, opaque iterators)."""
+    kinds = []
+    for iv in sch.get(block).iter_vars:
+        kinds.append({tirx.IterVar.DataPar: "S", tirx.IterVar.CommReduce: "R"}.get(int(iv.iter_type), "?"))
+    return "".join(kinds)
+
+
+def _const(expr) -> int | None:
+    return int(expr.value) if isinstance(expr, tirx.IntImm) else None
+
+
+def _extent(sch, loop):
+    return sch.get(loop).extent
+
+
+def _walk(expr, visit) -> None:
+    """Visit every sub-expression (TIR has no Python visitor in 0.27)."""
+    visit(expr)
+    for field in ("a", "b", "value", "condition", "true_value", "false_value"):
+        sub = getattr(expr, field, None)
+        if isinstance(sub, tvm.ir.Expr):
+            _walk(sub, visit)
+    for field in ("args", "indices"):
+        for sub in getattr(expr, field, None) or ():
+            if isinstance(sub, tvm.ir.Expr):
+                _walk(sub, visit)
+
+
+def _is_expensive(sch, block) -> bool:
+    """Transcendental calls or float division: worth computing once, not per consumer."""
+    found = []
+
+    def visit(e):
+        if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op):
+            name = e.op.name.split(".")[-1]
+            if name in _EXPENSIVE_CALLS:
+                found.append(name)
+        elif isinstance(e, tirx.Div):  # float division: tens of cycles per vector
+            found.append("div")
+
+    body = sch.get(block).body
+    if isinstance(body, tirx.stmt.BufferStore):
+        _walk(body.value, visit)
+    return bool(found)
+
+
+def _write_buffer(sch, block):
+    return sch.get(block).writes[0].source
+
+
+def _domain(sch, block) -> list:
+    return [iv.dom.extent for iv in sch.get(block).iter_vars]
+
+
+def _same(a, b) -> bool:
+    return bool(tvm.sym.Analyzer().can_prove_equal(a, b))
+
+
+def _is_broadcast_into(sch, producer, consumer) -> bool:
+    """True when the consumer iterates over more points than the producer writes."""
+    shape = list(_write_buffer(sch, producer).shape)
+    dom = [d for d, k in zip(_domain(sch, consumer), _iter_kinds(sch, consumer)) if k == "S"]
+    if len(shape) != len(dom):
+        return True
+    return not all(_same(a, b) for a, b in zip(shape, dom))
+
+
+# --------------------------------------------------------------------------- rules
+
+def _apply_rules(sch: s_tir.Schedule, lanes: int) -> bool:
+    body = sch.mod["main"].body
+    if not isinstance(body, s_tir.stmt.SBlockRealize) or body.block.name_hint != "root":
+        return False  # hand-written (opaque) loop nests such as cumsum
+    root = sch.get_sblock("root")
+    blocks = sch.get_child_blocks(root)
+    if not blocks:
+        return False
+    for b in blocks:
+        if "?" in _iter_kinds(sch, b) or len(sch.get_loops(b)) != len(sch.get(b).iter_vars):
+            return False  # scans, opaque blocks or already transformed loop nests
+    _inline_producers(sch, root)
+    blocks = sch.get_child_blocks(root)
+    reductions = [b for b in blocks if "R" in _iter_kinds(sch, b)]
+    if not reductions:
+        for b in blocks:
+            _schedule_injective(sch, b, lanes)
+        return True
+    if len(reductions) == 1 and _is_matmul(sch, reductions[0]):
+        return _schedule_matmul(sch, root, reductions[0], lanes)
+    return _schedule_rows(sch, root, reductions, lanes)
+
+
+def _inline_producers(sch, root) -> None:
+    """Inline spatial producers; an expensive one only into a single, same-shaped consumer
+    (the row rule computes the others once per row)."""
+    outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(root)}
+    for block in sch.get_child_blocks(root):
+        if sch.get(block).name_hint in outputs or "R" in _iter_kinds(sch, block):
+            continue
+        consumers = sch.get_consumers(block)
+        if not consumers:
+            continue
+        if _is_expensive(sch, block) and (len(consumers) > 1
+                                          or any(_is_broadcast_into(sch, block, c) for c in consumers)):
+            continue
+        try:
+            sch.compute_inline(block)
+        except s_tir.ScheduleError:
+            pass
+
+
+def _vectorize_inner(sch, loop, lanes: int) -> None:
+    """Vectorize ``loop`` (the innermost of a spatial nest) on full vectors. A constant
+    extent splits by its largest divisor <= ``lanes`` (no tail); a symbolic one gets a
+    tail that LoopPartition splits off (on a constant extent that hint made later
+    passes mix int32 and int64 constants)."""
+    extent = _const(_extent(sch, loop))
+    if extent is not None:
+        width = max(d for d in range(1, min(lanes, extent) + 1) if extent % d == 0)
+        if width == extent and extent > 1:
+            sch.vectorize(loop)
+        elif width > 1:
+            sch.vectorize(sch.split(loop, [None, width])[1])
+        return
+    outer, inner = sch.split(loop, [None, lanes])
+    sch.vectorize(inner)
+    sch.annotate(outer, "pragma_loop_partition_hint", 1)
+
+
+def _schedule_injective(sch, block, lanes: int) -> None:
+    # Outer loops stay unfused: fusing symbolic extents puts div/mod in every index.
+    _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
+
+
+def _is_matmul(sch, block) -> bool:
+    """``C[.., i, j] += A[.., i, k] * B[.., k, j]`` with j the last index of C and B."""
+    stmt = sch.get(block)
+    kinds = _iter_kinds(sch, block)
+    if kinds.count("R") != 1 or not kinds.endswith("R") or len(kinds) < 3:
+        return False
+    body = stmt.body
+    if not isinstance(body, tirx.stmt.BufferStore):
+        return False
+    value = body.value
+    if not (isinstance(value, tirx.Add) and isinstance(value.b, tirx.Mul)):
+        return False
+    a, b = value.b.a, value.b.b
+    if not (isinstance(a, _LOAD) and isinstance(b, _LOAD)):
+        return False
+    j, k = stmt.iter_vars[-2].var, stmt.iter_vars[-1].var
+    return bool(body.indices[-1].same_as(j) and b.indices[-1].same_as(j) and a.indices[-1].same_as(k))
+
+
+def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
+    """Per batch slice: tiles of 4 rows x 1 vector accumulated in registers over k.
+
+    Rows and columns are padded (``pad_einsum``: per-slice zero-padded copies of the
+    operands) to whole tiles, so the accumulator tile has a constant shape and SROA keeps
+    it in registers; with a predicated split it would be the full [rows, cols] buffer in
+    memory and every k step a store-to-load chain. The elementwise epilogue (scale,
+    causal mask) is inlined into the copy-out of the valid region."""
+    n_batch = len(sch.get_loops(mm)) - 3
+    sch.pad_einsum(mm, [1] * n_batch + [_MM_ROWS, lanes, 1])
+    producers = sch.get_producers(mm)
+    (crop,) = sch.get_consumers(mm)
+    for block in sch.get_child_blocks(root):
+        if _name(sch, block) not in {_name(sch, b) for b in [mm, crop, *producers]}:
+            sch.reverse_compute_inline(block)  # raises for a non-elementwise epilogue
+    tile = sch.cache_write(mm, 0, "local")
+    *batch, i, j, k = sch.get_loops(mm)
+    io, ii = sch.split(i, [None, _MM_ROWS])
+    jo, ji = sch.split(j, [None, lanes])
+    sch.reorder(io, jo, k, ii, ji)
+    sch.unroll(ii)
+    sch.vectorize(ji)
+    sch.reverse_compute_at(tile, jo, preserve_unit_loops=True)
+    *_, t_i, t_j = sch.get_loops(tile)
+    sch.unroll(t_i)
+    sch.vectorize(t_j)
+    init = sch.decompose_reduction(mm, k)
+    sch.vectorize(sch.get_loops(init)[-1])
+    if batch:  # operand copies per batch slice (the copy-out stays a separate nest: attached
+        for pad in producers:  # it gets bounds TVM cannot simplify, and scalar code)
+            sch.compute_at(pad, batch[-1], preserve_unit_loops=True)
+    for block in [*producers, crop]:
+        _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
+    return True
+
+
+def _name(sch, block) -> str:
+    return sch.get(block).name_hint
+
+
+def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
+    """Everything computed per row: the leading axes every reduction shares with the
+    output block (a reduction's other spatial axes must have extent 1)."""
+    outputs = sch.get_output_blocks(root)
+    if len(outputs) != 1 or "R" in _iter_kinds(sch, outputs[0]):
+        return False
+    last = outputs[0]
+    last_dom = _domain(sch, last)
+    rows = len(last_dom)
+    for red in reductions:
+        kinds = _iter_kinds(sch, red)
+        dom = [d for d, kd in zip(_domain(sch, red), kinds) if kd == "S"]
+        n = 0
+        while n < min(len(dom), len(last_dom)) and _same(dom[n], last_dom[n]):
+            n += 1
+        if any(_const(d) != 1 for d in dom[n:]):
+            return False
+        rows = min(rows, n)
+    if rows == 0:
+        return False
+    # rfactor before compute_at: it needs its block to head its loop nest.
+    partial = [rf for rf in (_rfactor_lanes(sch, red, lanes) for red in reductions) if rf is not None]
+    row = sch.get_loops(last)[rows - 1]
+    rest = [b for b in sch.get_child_blocks(root) if _name(sch, b) != _name(sch, last)]
+    for block in reversed(rest):
+        sch.compute_at(block, row, preserve_unit_loops=True)
+    for block in sch.get_child_blocks(row):
+        inner = sch.get_loops(block)[-1]
+        if "R" not in _iter_kinds(sch, block) and inner != row:
+            _vectorize_inner(sch, inner, lanes)
+    for rf in partial:
+        # compute_at rebuilt the nest in iterator order: lanes (rfactor's axis 0) first.
+        loops = sch.get_loops(rf)
+        lane = loops[[sch.get(lp).same_as(sch.get(row)) for lp in loops].index(True) + 1]
+        red = loops[-1]
+        sch.reorder(red, lane)
+        sch.vectorize(lane)
+        init = sch.decompose_reduction(rf, red)
+        sch.vectorize(sch.get_loops(init)[-1])
+    return True
+
+
+def _rfactor_lanes(sch, block, lanes: int):
+    """sum or max over a constant multiple of ``lanes`` -> ``lanes`` vector partial results
+    + one horizontal step; returns the partial block, None for other lengths (softmax's
+    symbolic rows stay scalar)."""
+    body = sch.get(block).body
+    if not (isinstance(body, tirx.stmt.BufferStore) and isinstance(body.value, (tirx.Add, tirx.Max))):
+        return None
+    inner = sch.get_loops(block)[-1]
+    extent = _const(_extent(sch, inner))
+    if extent is None or extent % lanes or extent <= lanes:
+        return None  # a predicated split: compute_at then drops the rfactor block's predicate
+    _, vec = sch.split(inner, [None, lanes])
+    return sch.rfactor(vec, 0)

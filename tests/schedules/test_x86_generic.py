@@ -1,0 +1,146 @@
+"""The generic-op rule (schedules/x86_generic.py): same numbers as TVM's default loops and
+onnxruntime at every (batch, seq) one module serves, and the functions really scheduled."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import tvm
+from tvm import relax, te, tirx
+
+from qtvm.formats import get_format
+from qtvm.pipeline import build_module
+from qtvm.reference import dequantized_model
+from qtvm.target import parse_target
+from schedules.x86_generic import is_scheduled, schedule_generic_func, schedule_generic_ops
+
+# seq = 1 (decode), odd and ragged lengths (tails of the 4-row and vector tiles), M <= 2
+# (GEMV branch) and M > 2 (GEMM branch) of the packed kernels.
+SHAPES = [(1, 1), (2, 1), (1, 16), (1, 33), (3, 17), (2, 64)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return parse_target("host")
+
+
+@pytest.fixture(scope="module")
+def modules(tiny_llama_path, target):
+    """act -> (VM with TVM's default loops, VM with the rule, scheduled IRModule)."""
+    out = {}
+    for act in ("fp32", "int8"):
+        mod, *_ = build_module(tiny_llama_path, target, "int4-g128", act)
+        scheduled = schedule_generic_ops(mod, target)
+        out[act] = (relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu()),
+                    relax.VirtualMachine(tvm.compile(scheduled, target=target), tvm.cpu()),
+                    scheduled)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ort_dequantized(tiny_llama_path):
+    model = dequantized_model(onnx.load(str(tiny_llama_path)), get_format("int4-g128"))
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _run(vm, ids):
+    return vm["main"](tvm.runtime.tensor(ids)).numpy().astype(np.float64)
+
+
+def _rel(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("batch,seq", SHAPES)
+def test_fp32_matches_default_loops_and_onnxruntime(modules, ort_dequantized, batch, seq):
+    default, scheduled, _ = modules["fp32"]
+    ids = np.random.default_rng(batch * 100 + seq).integers(0, 512, (batch, seq)).astype(np.int64)
+    got = _run(scheduled, ids)
+    assert got.shape == (batch, seq, 512)
+    assert _rel(got, _run(default, ids)) < 2e-5
+    assert _rel(got, ort_dequantized.run(None, {"input_ids": ids})[0].astype(np.float64)) < 2e-5
+
+
+@pytest.mark.parametrize("batch,seq", SHAPES)
+def test_int8_activations_match_onnxruntime(modules, ort_dequantized, batch, seq):
+    """int8 rounding of each matmul input makes ~1e-2 the expected error (as unscheduled);
+    a last-bit difference upstream may flip a rounding, so the two builds agree to that."""
+    default, scheduled, _ = modules["int8"]
+    ids = np.random.default_rng(batch * 100 + seq + 7).integers(0, 512, (batch, seq)).astype(np.int64)
+    got = _run(scheduled, ids)
+    assert _rel(got, ort_dequantized.run(None, {"input_ids": ids})[0].astype(np.float64)) < 0.05
+    assert _rel(got, _run(default, ids)) < 0.05
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+
+
+def test_rule_schedules_the_generic_ops(modules):
+    funcs = _prim_funcs(modules["fp32"][2])
+    generic = {n: f for n, f in funcs.items()
+               if "qtvm.kernel" not in (f.attrs or {}) and not relax.analysis.has_reshape_pattern(f)}
+    scheduled = [n for n, f in generic.items() if is_scheduled(f)]
+    # Everything but cumsum's hand-written scan (positions) gets a schedule.
+    assert set(generic) - set(scheduled) <= {n for n in generic if n.startswith("cumsum")}
+    assert len(scheduled) >= 10
+    scripts = {n: generic[n].script() for n in scheduled}
+    assert sum("T.vectorized" in s for s in scripts.values()) >= 8
+    fused = [n for n in scheduled if n.startswith("fused_")]
+    assert len(fused) >= 5  # FuseOps ran: the default pipeline leaves ~165 single-op calls
+
+    # Attention matmuls: padded operands, a register ("local") tile, vector FMAs.
+    matmuls = [s for s in scripts.values() if '_pad"' in s or "_pad =" in s]
+    assert len(matmuls) == 2
+    assert all('scope="local"' in s and "T.vectorized" in s for s in matmuls)
+    # Softmax / RMSNorm: exp rewritten (no scalar libm call left) and rows vectorized.
+    assert not any("T.exp(" in s or "T.sigmoid(" in s for s in scripts.values())
+    # The packed kernels were left exactly as quantize_weights scheduled them.
+    kernels = [f for f in funcs.values() if "qtvm.kernel" in (f.attrs or {})]
+    assert kernels and all(f.attrs.get("op_pattern") == 8 for f in kernels)
+
+
+def test_not_llvm_is_untouched(tiny_llama_path, target):
+    from qtvm.pipeline import schedule_generic_ops as pipeline_hook
+
+    mod, *_ = build_module(tiny_llama_path, target, "none")
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    assert pipeline_hook(mod, cuda).same_as(mod)
+    assert schedule_generic_ops(mod, cuda).same_as(mod)
+
+
+def test_vectorizable_exp_is_accurate(target):
+    """exp / sigmoid through the rule: <= 2 ulp relative error where the result is a
+    normal float above 2^-124, exact overflow / underflow / NaN behaviour."""
+    n = te.var("n", "int64")
+    x = te.placeholder((n,), "float32", name="x")
+    e = te.compute((n,), lambda i: te.exp(x[i]), name="e")
+    s = te.compute((n,), lambda i: te.sigmoid(x[i]), name="s")
+    func = schedule_generic_func(te.create_prim_func([x, e, s]), lanes=8)
+    assert func is not None and "T.exp(" not in func.script()
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    special = [np.inf, -np.inf, np.nan, 88.8, -104.0, 0.0]
+    xs = np.concatenate([np.linspace(-87, 88.7, 100_003), special]).astype(np.float32)
+    args = [tvm.runtime.tensor(xs), tvm.runtime.tensor(np.zeros_like(xs)), tvm.runtime.tensor(np.zeros_like(xs))]
+    lib["main"](*args)
+    got_e, got_s = args[1].numpy().astype(np.float64), args[2].numpy().astype(np.float64)
+    x64 = xs.astype(np.float64)
+    body = slice(0, -len(special))
+    want_e = np.exp(x64[body])
+    normal = want_e > 2.0 ** -124  # flushed to zero below about 2^-125
+    assert (np.abs(got_e[body] - want_e)[normal] / want_e[normal]).max() < 2 * 2.0 ** -24
+    want_s = 1 / (1 + np.exp(-x64[body]))
+    assert (np.abs(got_s[body] - want_s) / want_s).max() < 4 * 2.0 ** -24
+    np.testing.assert_array_equal(got_e[-6:], [np.inf, 0.0, np.nan, np.inf, 0.0, 1.0])
+    np.testing.assert_array_equal(got_s[-6:], [1.0, 0.0, np.nan, 1.0, 0.0, 0.5])
+
+
+def test_compiled_artefact_keeps_metadata_and_runs(tiny_llama_int4):
+    """FuseTIR drops uncalled functions; the artefact's metadata function must survive."""
+    from qtvm import runtime
+
+    module = runtime.load(tiny_llama_int4[0])
+    assert module.inputs == [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}]
+    ids = np.zeros((1, 3), dtype=np.int64)
+    assert module.run({"input_ids": ids})["logits"].shape == (1, 3, 512)
