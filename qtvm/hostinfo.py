@@ -12,3 +12,29 @@ def host_cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
+    """Physical cores among the CPUs this process may run on.
+
+    TVM's default thread count is half the logical CPUs on x86 (it assumes two
+    hyperthreads a core), which on a VM with one thread a core, like a 2-vCPU
+    cloud machine, leaves half the cores idle.
+    """
+    import os
+
+    if allowed is None:
+        allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return max(1, len(allowed))
+    cores = set()
+    for block in cpuinfo.strip().split("\n\n"):
+        fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()))
+        if "processor" not in fields or int(fields["processor"]) not in allowed:
+            continue
+        cores.add((fields.get("physical id", "0"), fields.get("core id", fields["processor"])))
+    return max(1, len(cores)) if cores else max(1, len(allowed))

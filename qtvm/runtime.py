@@ -2,7 +2,9 @@
 
 Importing this module before ``tvm`` imports tvm with TVM_USE_RUNTIME_LIB=1,
 so a deployment process never maps the compiler library; the variable is
-then restored, so child processes get a normal TVM. The API is user-facing:
+then restored, so child processes get a normal TVM. Kernels run on every
+physical core of the process's CPU set (TVM_NUM_THREADS overrides; TVM's own
+default is half the logical CPUs). The API is user-facing:
 
     m = qtvm.runtime.load("model.so")
     m.inputs, m.outputs          # [{name, dtype, shape}], symbolic dims by name
@@ -21,6 +23,15 @@ from qtvm.errors import QtvmError
 from qtvm.hostinfo import host_cpu_flags
 
 
+def _default_threads() -> None:
+    """Run on every physical core unless TVM_NUM_THREADS says otherwise. TVM reads the
+    variable once, when its thread pool starts (the first parallel kernel), so this
+    must happen before anything runs; it is kept for child processes too."""
+    from qtvm.hostinfo import physical_cores
+
+    os.environ.setdefault("TVM_NUM_THREADS", str(physical_cores()))
+
+
 def _import_runtime_only_tvm() -> None:
     if "tvm" in sys.modules:  # a compiler process already: nothing to choose
         return
@@ -35,6 +46,7 @@ def _import_runtime_only_tvm() -> None:
             os.environ["TVM_USE_RUNTIME_LIB"] = previous
 
 
+_default_threads()
 _import_runtime_only_tvm()
 
 METADATA_FUNC = "qtvm_metadata"

@@ -1,6 +1,7 @@
 """The thin runtime: input checks, and no compiler library in its process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -75,3 +76,26 @@ def test_refuses_cpu_it_was_not_built_for(tiny_llama_int4, monkeypatch):
     monkeypatch.setattr(runtime, "host_cpu_flags", lambda: {"sse2"})
     with pytest.raises(QtvmError, match="needs CPU features .*avx2"):
         runtime.load(tiny_llama_int4[0])
+
+
+def _num_threads_in_child(env_threads: str | None) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    if env_threads is not None:
+        env["TVM_NUM_THREADS"] = env_threads
+    script = ("import os, qtvm.runtime, tvm; "
+              "print(os.environ['TVM_NUM_THREADS'], tvm.get_global_func('runtime.NumThreads')())")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    var, pool = proc.stdout.split()
+    return var, int(pool)
+
+
+def test_kernels_run_on_every_physical_core():
+    """TVM alone would start half the logical CPUs (1 of 2 on a 2-vCPU VM)."""
+    from qtvm.hostinfo import physical_cores
+
+    assert _num_threads_in_child(None) == (str(physical_cores()), physical_cores())
+
+
+def test_tvm_num_threads_overrides_the_default():
+    assert _num_threads_in_child("1") == ("1", 1)
