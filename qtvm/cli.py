@@ -144,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_tune)
 
     from qtvm.bench.gemv import add_bench_parser  # argparse only; imports lazily
+    from qtvm.bench.prefill import add_prefill_parser  # argparse only; imports lazily
     from qtvm.report import add_report_parser  # argparse only; the report imports lazily
 
     add_report_parser(sub)  # qtvm quantize-report
-    add_bench_parser(sub)  # qtvm bench gemv
+    add_prefill_parser(add_bench_parser(sub))  # qtvm bench gemv, qtvm bench prefill
     return p
 
 

@@ -152,8 +152,9 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
     return results
 
 
-def add_bench_parser(subparsers) -> None:
-    b = subparsers.add_parser("bench", help="benchmarks (weights streamed from DRAM, peers side by side)")
+def add_bench_parser(subparsers):
+    """Add ``qtvm bench`` and ``bench gemv``; returns the bench sub-command group."""
+    b = subparsers.add_parser("bench", help="benchmarks against peers, side by side")
     bsub = b.add_subparsers(dest="bench_kind", required=True)
     g = bsub.add_parser("gemv", help="qtvm GEMV kernels vs read bandwidth, torch fp32/int4, ORT MatMulNBits")
     g.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in DEFAULT_SHAPES], metavar="KxN")
@@ -165,6 +166,7 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--target", default="host")
     g.add_argument("--json", type=Path, default=Path("out/bench_gemv.json"))
     g.set_defaults(fn=bench_command)
+    return bsub
 
 
 def _parse_shape(text: str) -> tuple[int, int]:

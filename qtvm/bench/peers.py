@@ -334,9 +334,13 @@ def pack_matmulnbits(W: np.ndarray, block_size: int):
 
 def build_matmulnbits_model(
     K: int, N: int, block_size: int, B: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
-    accuracy_level: int = 4,
+    accuracy_level: int = 4, rows: int | str = 1,
 ) -> bytes:
-    """Serialized one-node ONNX model: y[1, N] = MatMulNBits(x[1, K], B, scales, zp)."""
+    """Serialized one-node ONNX model: y[rows, N] = MatMulNBits(x[rows, K], B, scales, zp).
+
+    ``rows`` > 1, or a symbolic name such as "M", is the prefill form (``qtvm bench
+    prefill``); GEMV keeps 1.
+    """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -354,8 +358,8 @@ def build_matmulnbits_model(
     graph = helper.make_graph(
         [node],
         "qtvm_matmulnbits",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, N])],
         initializer=[
             numpy_helper.from_array(B, "B"),
             numpy_helper.from_array(scales, "scales"),
