@@ -85,5 +85,6 @@ def run_demo(out_dir: Path, target: str = "host", quant: str = "int4-g128") -> d
     print(f"\n{quant} weights in every row; 'activations' int8 is the opt-in `--act int8` (rounds each matmul "
           "input per 32 values). rel err = max |a - b| / max |b| over all logits; ORT(deq) runs the same graph "
           "with the dequantized weights, so its column is qtvm's own error. Latencies: medians of 15 runs. "
-          "This tiny model is dominated by non-matmul ops; see `qtvm bench gemv` for kernel-level numbers.")
+          "This tiny model's latency is mostly per-call overhead; see `qtvm bench gemv` and `qtvm bench prefill` "
+          "for kernel-level numbers.")
     return {"rows": rows, "metadata": meta}
