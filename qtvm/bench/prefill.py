@@ -206,12 +206,15 @@ class OrtMatMulNBitsMm(PrefillKernel):
     """onnxruntime MatMulNBits (bits=4, accuracy_level=4) on x[M, K].
 
     One session per shape with a symbolic row count, rebound per M through
-    io_binding; all sessions share one process-wide pool of ``threads``.
+    io_binding. With ``shared_pool`` (the benchmark's child process) all sessions
+    share one process-wide pool of ``threads``; that pool is for good in the
+    process, and every later session must then use it, so in-process callers
+    (tests) leave it off.
     """
 
     tol = INT8_TOL
 
-    def __init__(self, W: np.ndarray, block_size: int, threads: int):
+    def __init__(self, W: np.ndarray, block_size: int, threads: int, shared_pool: bool = False):
         import onnxruntime as ort
 
         from qtvm.bench import peers
@@ -219,11 +222,14 @@ class OrtMatMulNBitsMm(PrefillKernel):
         K, N = W.shape
         B, scales, zps, self._deq = peers.pack_matmulnbits(W, block_size)
         model = peers.build_matmulnbits_model(K, N, block_size, B, scales, zps, 4, rows="M")
-        peers._ensure_shared_pool(threads)  # sized once per process: this process runs one thread count
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.use_per_session_threads = False
+        if shared_pool:
+            peers._ensure_shared_pool(threads)  # sized once per process: the child runs one thread count
+            so.use_per_session_threads = False
+        else:
+            so.intra_op_num_threads = threads
         so.log_severity_level = 3
         self._ort = ort
         self._sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
@@ -261,7 +267,8 @@ def peer_group_size(preset: str, K: int) -> int:
     return g if g in _TORCH_INT4_GROUPS else 128
 
 
-def make_kernels(W: np.ndarray, formats, activations, peers, threads: int, target: str = "host") -> list:
+def make_kernels(W: np.ndarray, formats, activations, peers, threads: int, target: str = "host",
+                 shared_pool: bool = False) -> list:
     """All kernels for one (K, N) weight: qtvm per format and activation mode, then the peers."""
     from qtvm.formats import get_format
 
@@ -279,7 +286,7 @@ def make_kernels(W: np.ndarray, formats, activations, peers, threads: int, targe
         elif p == "torch_int4":
             kernels.append(TorchInt4Mm(W, g))
         elif p == "ort_matmulnbits":
-            kernels.append(OrtMatMulNBitsMm(W, g, threads))
+            kernels.append(OrtMatMulNBitsMm(W, g, threads, shared_pool))
         else:
             raise ValueError(f"unknown peer {p!r}")
     return kernels
@@ -353,7 +360,7 @@ def benchmark_child(shapes, threads: int, formats, activations, peers, rows, rou
             K, N = int(K), int(N)
             W = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
             t0 = time.perf_counter()
-            kernels = make_kernels(W, formats, activations, peers, threads, target)
+            kernels = make_kernels(W, formats, activations, peers, threads, target, shared_pool=True)
             print(f"[{threads} thr] {K}x{N}: {len(kernels)} kernels ready in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
             for M in rows:

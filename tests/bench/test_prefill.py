@@ -124,3 +124,17 @@ def test_registered_next_to_gemv_without_importing_tvm():
             "print(a.fn.__name__, b.fn.__name__, a.rows, 'tvm' in sys.modules, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.stdout.split() == ["prefill_command", "bench_command", "[16,", "64,", "128]", "False", "False"], proc
+
+
+def test_in_process_ort_peer_leaves_later_sessions_alone(kernels):
+    """The shared ORT pool is for the benchmark's child process only: once made it is for
+    good, and every later default session in the process would fail to load."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"x": np.array([-1.0, 2.0], np.float32)})[0].tolist() == [0.0, 2.0]
