@@ -16,13 +16,13 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qtvm import ops
 from qtvm.formats import QuantFormat, QuantizedTensor
+from qtvm.intrin.x86 import ROW_TILE
 from schedules import schedule_kernel
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
 GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per row (measured M = 3)
-ROW_TILE = 4  # rows per tile of the int8-activation prefill kernel (qtvm.intrin.x86.ROW_TILE)
 
 
 @dataclass

@@ -28,6 +28,11 @@ def schedule_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.t
     raise QtvmError(f"no qtvm schedule for target kind '{target.kind.name}' yet", "use an llvm target")
 
 
+def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """One kernel on its own, scheduled by its rule and compiled (benchmarks and tests)."""
+    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
+
+
 def column_block(target: tvm.target.Target) -> int:
     """Weight column-block width the target's rule streams."""
     return x86.col_block(target)

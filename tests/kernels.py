@@ -5,7 +5,7 @@ import numpy as np
 import tvm
 
 from qtvm import ops
-from schedules import schedule_kernel
+from schedules import compile_kernel
 
 NB = 64  # column block of the x86 rules
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # runs on every supported x86 host
@@ -13,7 +13,7 @@ AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # runs on every su
 
 def compile_scheduled(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     """The PrimFunc scheduled by the first matching rule, compiled."""
-    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
+    return compile_kernel(func, target)
 
 
 def run_blocked(lib, x: np.ndarray, qt, nb: int = NB) -> np.ndarray:

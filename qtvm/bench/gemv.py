@@ -29,7 +29,7 @@ class QtvmGemv(peer_lib.Peer):
         from qtvm import ops
         from qtvm.formats import get_format
         from qtvm.target import parse_target
-        from schedules import column_block, schedule_kernel
+        from schedules import column_block, compile_kernel
 
         self.K, self.N = W.shape
         self.name = f"qtvm {preset}" + (" act-int8" if activations == "int8" else "")
@@ -40,7 +40,7 @@ class QtvmGemv(peer_lib.Peer):
             nb = column_block(tgt)
 
             def build(func):
-                return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, tgt)}), target=tgt)["main"]
+                return compile_kernel(func, tgt)["main"]
 
             kp = fmt.padded_k(self.K)
             if activations == "int8":

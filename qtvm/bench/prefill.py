@@ -34,7 +34,6 @@ DEFAULT_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N) of LLaMA
 DEFAULT_ROWS = (16, 64, 128)
 DEFAULT_FORMATS = ("int4-g128",)
 PEERS = ("torch_fp32", "torch_int4", "ort_matmulnbits")
-ROW_TILE = 4  # rows per tile of the int8 prefill kernel (what the compiled model uses)
 FP32_TOL, INT8_TOL = 1e-4, 2e-2  # max |y - ref| / max |ref|
 _TORCH_INT4_GROUPS = (32, 64, 128, 256)
 
@@ -93,9 +92,10 @@ class QtvmPrefill(PrefillKernel):
         import tvm
 
         from qtvm import ops
+        from qtvm.intrin.x86 import ROW_TILE
         from qtvm.ops_gemm import qmatmul_gemm_func
         from qtvm.target import parse_target
-        from schedules import column_block, schedule_kernel
+        from schedules import column_block, compile_kernel
 
         if activations not in ("fp32", "int8"):
             raise ValueError(f"activations must be fp32 or int8, not {activations!r}")
@@ -104,13 +104,14 @@ class QtvmPrefill(PrefillKernel):
         fmt, K, N = qt.fmt, qt.k, qt.n
 
         def build(func):
-            return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, tgt)}), target=tgt)["main"]
+            return compile_kernel(func, tgt)["main"]
 
         self.qt, self.K, self.N, self.activations = qt, K, N, activations
         self.fmt = preset
         self.name = f"qtvm {activations}-act"
         self.tol = INT8_TOL if activations == "int8" else FP32_TOL
         self._kp = fmt.padded_k(K)
+        self._row_tile = ROW_TILE  # what the compiled model uses
         self._groups = self._kp // fmt.group_size_for(K)
         if activations == "int8":
             self._quant = build(ops.quantize_activations_func(fmt, K, ROW_TILE))
@@ -126,7 +127,7 @@ class QtvmPrefill(PrefillKernel):
         m = x.shape[0]
         self._x = self._tensor(np.ascontiguousarray(x, np.float32))
         self._y = self._tensor(np.full((m, self.N), np.nan, np.float32))  # unwritten outputs fail the check
-        mp = -(-m // ROW_TILE) * ROW_TILE
+        mp = -(-m // self._row_tile) * self._row_tile
         self._acts = [self._tensor(np.zeros(s, d)) for s, d in (
             ((mp, self._kp), np.int8), ((mp, self._kp // 32), np.float32), ((mp, self._groups), np.float32))]
 
