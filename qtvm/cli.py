@@ -78,7 +78,12 @@ def _cmd_inspect(args) -> int:
 
     from qtvm import runtime
 
-    print(json.dumps(runtime.load(args.artefact).metadata, indent=2))
+    meta = runtime.inspect(args.artefact)
+    print(json.dumps(meta, indent=2))
+    if meta.get("device") == "cuda":
+        print(f"needs an NVIDIA GPU of architecture {meta['required_gpu_arch']} or newer (CUDA)")
+    elif meta.get("device") == "opencl":
+        print("needs an OpenCL device and a TVM runtime built with OpenCL")
     return 0
 
 

@@ -77,31 +77,40 @@ def decode_term_count(fmt: QuantFormat, at_column) -> int:
     return len(fmt.te_decode_terms(at_column(zero), zero))
 
 
-def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
-    """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached."""
+def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached.
+
+    ``chunk`` (a divisor of the group size; default the group): K values per partial.
+    The group coefficients distribute over a group's chunks (s * sum_c P_c = sum_c s * P_c),
+    so with chunks smaller than the group a GPU lane reduces its own chunk and applies the
+    group's coefficients itself, and lanes split K without a reduction per group.
+    """
     m = te.var("m", "int64")
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
-    ngroups, nblk = kp // gs, -(-n // nb)
+    ch = gs if chunk is None else int(chunk)
+    if ch < 1 or gs % ch:
+        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
+    nchunks, nblk, per_group = kp // ch, -(-n // nb), gs // ch
     x = te.placeholder((m, k), "float32", name="x")
     stored, at_column = weight_inputs(fmt, k, n, nb)
     xk = padded_reader(x, k, kp)
 
     num_terms = decode_term_count(fmt, at_column)
     def partial(t):
-        r = te.reduce_axis((0, gs), name="kk")
+        r = te.reduce_axis((0, ch), name="kk")
         return te.compute(
-            (m, ngroups, nblk * nb),
-            lambda i, g, j: te.sum(xk(i, g * gs + r) * fmt.te_decode_terms(at_column(j), g * gs + r)[t], axis=r),
+            (m, nchunks, nblk * nb),
+            lambda i, g, j: te.sum(xk(i, g * ch + r) * fmt.te_decode_terms(at_column(j), g * ch + r)[t], axis=r),
             name=partial_block(t))
 
     partials = [partial(t) for t in range(num_terms)]
-    r2 = te.reduce_axis((0, gs), name="kx")
-    xsum = te.compute((m, ngroups), lambda i, g: te.sum(xk(i, g * gs + r2), axis=r2), name=BLOCK_XSUM)
+    r2 = te.reduce_axis((0, ch), name="kx")
+    xsum = te.compute((m, nchunks), lambda i, g: te.sum(xk(i, g * ch + r2), axis=r2), name=BLOCK_XSUM)
 
-    rg = te.reduce_axis((0, ngroups), name="g")
+    rg = te.reduce_axis((0, nchunks), name="g")
 
     def group_term(i, j):
-        coefs, offset = fmt.te_group_coefs(at_column(j), rg)
+        coefs, offset = fmt.te_group_coefs(at_column(j), rg if per_group == 1 else rg // per_group)
         total = offset * xsum[i, rg]
         for coef, part in zip(coefs, partials):
             total = total + coef * part[i, rg, j]
@@ -111,6 +120,8 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc
     y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
     func = te.create_prim_func([x, *stored.values(), y])
     desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=num_terms)
+    if chunk is not None:
+        desc["chunk"] = ch
     return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
 
 

@@ -4,6 +4,8 @@ Every ``relax.matmul(x, W)`` whose W is a 2-D float32 constant (directly, or
 through ``permute_dims`` as ONNX Gemm with transB=1 imports) becomes
 ``reshape -> call_tir(qmatmul) -> reshape`` with W packed by the chosen format
 and re-laid out by the target rule. Matmuls by computed tensors stay in float.
+What the target's kernels look like (column block, row tile, GEMV/prefill threshold,
+which kernels exist) comes from ``schedules.facts(target)``: no target module is imported.
 """
 from __future__ import annotations
 
@@ -16,13 +18,12 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qtvm import ops
 from qtvm.formats import QuantFormat, QuantizedTensor
-from qtvm.intrin.x86 import ROW_TILE
+from schedules import facts as target_facts
 from schedules import schedule_kernel
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
-GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per row (measured M = 3)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _Rewriter(PyExprMutator):
                  activations: str):
         super().__init__(mod)
         self.fmt, self.target, self.report, self.activations = fmt, target, report, activations
+        self.facts = target_facts(target)
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def visit_call_(self, call):
@@ -103,12 +105,10 @@ class _Rewriter(PyExprMutator):
     def _int8_activations(self, fmt: QuantFormat, k: int) -> bool:
         if self.activations != "int8":
             return False
-        from schedules.x86 import dot_isa
-
         if not ops.supports_int8_activations(fmt, k):
             self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k}")
             return False
-        if self.target.kind.name != "llvm" or not dot_isa(self.target):
+        if not self.facts.int8_activations:
             self.report.fp32_activation_fallbacks.append(f"target {self.target.kind.name} has no int8 dot")
             return False
         return True
@@ -132,18 +132,24 @@ class _Rewriter(PyExprMutator):
         return relax.op.reshape(y2, relax.ShapeExpr([*lead, qt.n]))
 
     def _emit_dense(self, x2, rows, qt: QuantizedTensor):
-        from schedules import column_block
-
-        nb = column_block(self.target)
+        nb = self.facts.col_block
         if self._int8_activations(qt.fmt, qt.k):
             weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
-            small, large = self._a8_branch(qt, weights, nb, 1), self._a8_branch(qt, weights, nb, ROW_TILE)
+            small = self._a8_branch(qt, weights, nb, 1)
+            large = self._a8_branch(qt, weights, nb, self.facts.row_tile)
         else:
             from qtvm.ops_gemm import qmatmul_gemm_func
 
             fmt, k, n = qt.fmt, qt.k, qt.n
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
-            gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+            decode = self.facts.decode_kernel.get(str(fmt.describe().get("family")), "qmatmul")
+            if decode == "lut_gemv":
+                from qtvm.lut_gemv import lut_gemv_func
+
+                gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
+            else:
+                options = self.facts.gemv_options(fmt, k)
+                gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb, **options), k, n)
             gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
             small, large = self._call_branch(gemv, weights, n), self._call_branch(gemm, weights, n)
         return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, small, large), [x2]))
@@ -155,7 +161,8 @@ class _Rewriter(PyExprMutator):
 
     def _a8_branch(self, qt: QuantizedTensor, weights, nb: int, row_tile: int):
         """x -> [acts = quantize_activations(x), its three parts, y = call_tir(int8 kernel)];
-        row_tile 1 is the GEMV, ROW_TILE the prefill kernel (activations padded to whole tiles)."""
+        row_tile 1 is the GEMV, the target's row tile the prefill kernel (activations padded
+        to whole tiles)."""
         fmt, k, n = qt.fmt, qt.k, qt.n
         kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
         quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k, row_tile), k, row_tile)
@@ -177,7 +184,7 @@ class _Rewriter(PyExprMutator):
 
     def _dispatch_by_rows(self, qt: QuantizedTensor, small, large) -> tvm.ir.GlobalVar:
         """A private function choosing at run time: the GEMV for decode-sized M, else the
-        prefill kernel (measured crossover: M = 3, fp32 and int8 activations alike).
+        prefill kernel (the target's threshold; x86 measured its crossover at M = 3).
         Relax allows ``If`` only outside dataflow blocks, hence a function of its own.
         A branch is a list of bindings: an expression, or prev-values -> expression."""
         m = tvm.tirx.Var("m", "int64")
@@ -194,7 +201,7 @@ class _Rewriter(PyExprMutator):
 
         then, other = seq(small), seq(large)
         result = relax.Var("y", out_ty)
-        choose = relax.If(relax.prim_value(m <= GEMV_MAX_ROWS), then, other)
+        choose = relax.If(relax.prim_value(m <= self.facts.gemv_max_rows), then, other)
         body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, choose)])], result)
         func = relax.Function([x], body, out_ty, is_pure=True)  # private: no global symbol
         return self.builder_.add_func(func, f"qmatmul_dispatch_{len(self.report.layers)}")
@@ -225,6 +232,9 @@ def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat, target: tvm.target.Tar
         from qtvm.errors import QtvmError
 
         raise QtvmError(f"unknown activation mode '{activations}'", f"use one of: {', '.join(ACTIVATIONS)}")
+    facts = target_facts(target)
+    facts.check_format(fmt, target.kind.name)
+    facts.check_activations(activations, target.kind.name)
     report = QuantizeReport()
     rewriter = _Rewriter(mod, fmt, target, report, activations)
     for gv, func in mod.functions_items():

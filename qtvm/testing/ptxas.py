@@ -1,0 +1,98 @@
+"""CUDA without a GPU: TVM's CUDA source of a scheduled kernel, compiled by nvcc and
+checked by ptxas for an architecture (registers, shared memory, local-memory spills).
+
+    src = cuda_source(scheduled_func, target)          # the code TVM would embed
+    for k in ptxas_check(src, "sm_90"):                # one entry per __global__ kernel
+        assert k.spill_bytes == 0 and k.stack_bytes == 0
+
+Nothing here executes CUDA; numerics are checked by running the same scheduled TIR on
+OpenCL (``qtvm.testing.opencl``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import tvm
+
+from qtvm.errors import QtvmError
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one kernel on one architecture."""
+
+    name: str
+    arch: str
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_store_bytes + self.spill_load_bytes
+
+
+def nvcc_path() -> str | None:
+    for candidate in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def available() -> bool:
+    return nvcc_path() is not None
+
+
+def cuda_source(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> str:
+    """TVM's CUDA source for a scheduled PrimFunc (or module of them), without nvcc."""
+    from tvm.tirx.build import codegen_build
+
+    from qtvm.testing.opencl import lower
+
+    _, device_mod, device_target = lower(func, target)
+    return codegen_build(device_mod, device_target).inspect_source()
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(.*)")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def ptxas_check(source: str, arch: str, timeout: float = 300) -> list[KernelResources]:
+    """nvcc -cubin -arch=<arch> -Xptxas -v on the source; one KernelResources per kernel."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise QtvmError("nvcc is not installed", "install the CUDA toolkit (nvcc, ptxas) or set CUDA_HOME")
+    with tempfile.TemporaryDirectory(prefix="qtvm-ptxas-") as tmp:
+        src = os.path.join(tmp, "kernels.cu")
+        with open(src, "w") as f:
+            f.write(source)
+        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"),
+                               src], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[-300:])
+        raise QtvmError(f"nvcc could not compile the CUDA source for {arch}: {first}")
+    return parse_ptxas(proc.stderr + proc.stdout)
+
+
+def parse_ptxas(text: str) -> list[KernelResources]:
+    out, current, frame = [], None, (0, 0, 0)
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            current, frame = (m.group(1), m.group(2)), (0, 0, 0)
+        elif (m := _FRAME.search(line)) and current:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _USED.search(line)) and current:
+            smem = _SMEM.search(m.group(2))
+            out.append(KernelResources(current[0], current[1], int(m.group(1)), int(smem.group(1)) if smem else 0,
+                                       *frame))
+            current = None
+    return out

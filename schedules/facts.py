@@ -1,0 +1,57 @@
+"""What the graph pass needs to know of a target family's kernels (and nothing else).
+
+The pass (``relay_passes/quantize_weights.py``) never imports a target module: it asks
+``schedules.facts(target)`` for a :class:`KernelFacts` and builds the kernels those facts
+name. A family fills them in from its own tables (``schedules/x86.py``, ``schedules/gpu.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from qtvm.errors import QtvmError
+
+#: Format families (``describe()["family"]``) a target may build kernels for.
+FORMAT_FAMILIES = ("uniform", "bcq", "e0m4", "mixed")
+
+
+def _no_options(fmt, k: int) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """family: the rule family's name ("x86", "gpu").
+    col_block: columns per stored block, the ``nb`` of ``[ceil(N/nb), rows, nb]``.
+    gemv_max_rows: M <= this runs the decode kernel, larger M the prefill kernel.
+    row_tile: rows per tile of the int8-activation prefill kernel (0 where there is none).
+    int8_activations: whether the target has int8-activation kernels at all.
+    formats: format families whose kernels this target builds.
+    activations: the ``--act`` modes this target builds kernels for.
+    decode_kernel: format family -> compute of its decode kernel ("qmatmul" unless named).
+    gemv_options(fmt, k): keyword arguments for ``qtvm.ops.qmatmul_func`` (e.g. the K chunk
+        one GPU lane reduces before applying group coefficients).
+    """
+
+    family: str
+    col_block: int
+    gemv_max_rows: int
+    row_tile: int = 0
+    int8_activations: bool = False
+    formats: frozenset = frozenset(FORMAT_FAMILIES)
+    activations: tuple = ("fp32",)
+    decode_kernel: dict = field(default_factory=dict)
+    gemv_options: Callable = _no_options
+
+    def check_format(self, fmt, target_name: str) -> None:
+        """A format family this target has no kernels for is named with the ones it has."""
+        family = str(fmt.describe().get("family", "uniform"))
+        if family not in self.formats:
+            built = ", ".join(f for f in FORMAT_FAMILIES if f in self.formats)
+            raise QtvmError(f"{fmt.name} ({family} family) has no kernels for target {target_name} yet",
+                            f"formats built for {target_name}: {built}")
+
+    def check_activations(self, activations: str, target_name: str) -> None:
+        if activations not in self.activations and activations != "int8":  # int8 falls back, with a note
+            raise QtvmError(f"--act {activations} has no kernels for target {target_name}",
+                            f"use one of: {', '.join(self.activations)}")
