@@ -151,11 +151,18 @@ def compile_cuda(mod, target, relax_pipeline="default"):
     if not nvcc_available():
         raise QtvmError("compiling for CUDA needs nvcc", "install the CUDA toolkit (nvcc 12 or 13) or set CUDA_HOME")
     load_cuda_runtime()
-    previous = os.environ.get("TVM_CUDA_COMPILE_MODE")
-    os.environ["TVM_CUDA_COMPILE_MODE"] = previous or "nvcc"
+    settings = {"TVM_CUDA_COMPILE_MODE": os.environ.get("TVM_CUDA_COMPILE_MODE") or "nvcc",
+                # TVM passes --use_fast_math unless told not to: approximate exp/div/sqrt and
+                # flushed denormals are a numerics change qtvm does not make by default.
+                "TVM_CUDA_NVCC_NO_FAST_MATH": "1"}
+    previous = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         with target:  # TVM's nvcc callback reads the arch from the current target
             return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline)
     finally:
-        if previous is None:
-            del os.environ["TVM_CUDA_COMPILE_MODE"]
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

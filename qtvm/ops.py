@@ -48,6 +48,15 @@ def block_columns(a: np.ndarray, nb: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(rows, nblk, nb).transpose(1, 0, 2))
 
 
+def pad_columns(qt: QuantizedTensor, multiple: int) -> QuantizedTensor:
+    """``qt`` with zero columns appended up to a multiple of ``multiple``: every stored
+    array all zeros there (codes, scales, offsets), which each format decodes to w = 0.
+    A GPU kernel then walks whole column tiles with no guard; the caller slices y."""
+    n = -(-qt.n // multiple) * multiple
+    arrays = {name: np.pad(a, ((0, 0), (0, n - qt.n))) for name, a in qt.arrays.items()}
+    return QuantizedTensor(qt.fmt, qt.k, n, arrays)
+
+
 def blocked_arrays(qt: QuantizedTensor, nb: int) -> list[np.ndarray]:
     """The kernel's weight arguments, in order."""
     return [block_columns(qt.arrays[name], nb) for name in qt.fmt.array_rows(qt.k)]

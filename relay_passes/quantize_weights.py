@@ -132,6 +132,15 @@ class _Rewriter(PyExprMutator):
         return relax.op.reshape(y2, relax.ShapeExpr([*lead, qt.n]))
 
     def _emit_dense(self, x2, rows, qt: QuantizedTensor):
+        n = qt.n
+        if qt.n % self.facts.col_pad:  # zero columns up to the target's column tile, sliced off after
+            qt = ops.pad_columns(qt, self.facts.col_pad)
+        y = self._emit_dense_padded(x2, qt)
+        if qt.n == n:
+            return y
+        return self.builder_.emit(relax.op.strided_slice(y, axes=[1], begin=[0], end=[n]))
+
+    def _emit_dense_padded(self, x2, qt: QuantizedTensor):
         nb = self.facts.col_block
         if self._int8_activations(qt.fmt, qt.k):
             weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]

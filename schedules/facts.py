@@ -31,6 +31,8 @@ class KernelFacts:
     decode_kernel: format family -> compute of its decode kernel ("qmatmul" unless named).
     gemv_options(fmt, k): keyword arguments for ``qtvm.ops.qmatmul_func`` (e.g. the K chunk
         one GPU lane reduces before applying group coefficients).
+    col_pad: N is padded with zero columns to a multiple of this (the pass slices y), so
+        kernels walk whole column tiles without guards.
     """
 
     family: str
@@ -42,6 +44,7 @@ class KernelFacts:
     activations: tuple = ("fp32",)
     decode_kernel: dict = field(default_factory=dict)
     gemv_options: Callable = _no_options
+    col_pad: int = 1
 
     def check_format(self, fmt, target_name: str) -> None:
         """A format family this target has no kernels for is named with the ones it has."""

@@ -30,6 +30,9 @@ LOAD_BYTES = 16
 #: Rows up to which the decode GEMV runs (one thread-block row per activation row, the
 #: weights re-read from L2); above, the prefill GEMM. Not measured: no GPU was available.
 GEMV_MAX_ROWS = 4
+#: Stored columns are a multiple of this (zero columns appended by the pass): the GEMM's
+#: column tile, a multiple of the GEMV block's columns, so neither kernel guards columns.
+COL_PAD = 64
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,15 @@ def stored_bits(desc) -> int:
 
 def lane_chunk(fmt, k: int) -> int:
     """K values one lane reduces before applying the group's coefficients: whole packed
-    runs filling a multiple of 16 bytes (int4: 32 values, int2: 64, int8: 16, int3 and
-    bcq3: 128 = 48 bytes), cut to a divisor of the group size."""
+    runs filling 16 bytes (one 128-bit load: int4 32 values, int2 64, int8 16, bcq2 64),
+    or one run where a run is longer than 12 bytes' worth of splitting allows (3-bit and
+    bcq3: 32 values in 12 bytes, three 32-bit loads), cut to a divisor of the group size.
+    Longer chunks would unroll into long straight-line code for little gain."""
     desc = fmt.describe()
     bits = stored_bits(desc)
     run = int(desc.get("values_per_block", 32 // bits if 32 % bits == 0 else 32))
     run_bytes = run * bits // 8
-    want = run * (LOAD_BYTES // math.gcd(LOAD_BYTES, run_bytes))
+    want = run * max(1, LOAD_BYTES // run_bytes)
     return math.gcd(fmt.group_size_for(k), want)
 
 
@@ -87,7 +92,7 @@ def facts(target: tvm.target.Target):
 
     return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS, row_tile=0,
                        int8_activations=False, activations=("fp32",),
-                       gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)})
+                       gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)}, col_pad=COL_PAD)
 
 
 def rules() -> list:

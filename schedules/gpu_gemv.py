@@ -50,11 +50,9 @@ def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols
     parts = [sch.get_sblock(ops.partial_block(t)) for t in range(terms)]
 
     # Lanes split the chunk loop; rf[lane, i, j] holds each lane's share of acc. A K of
-    # at most ``lanes`` chunks gets one lane per chunk: every lane then runs its (unit)
-    # chunk loop, so the accumulator's init may stay inside it.
+    # at most ``lanes`` chunks gets one lane per chunk.
     chunks = int(desc["padded_k"]) // int(desc.get("chunk", desc["group"]))
-    short = chunks <= lanes
-    lanes = chunks if short else lanes
+    lanes = min(chunks, lanes)
     i, j, c = sch.get_loops(acc)
     co, lane = sch.split(c, [None, lanes])
     rf = sch.rfactor(lane, 0)
@@ -92,8 +90,11 @@ def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols
     for part in parts:
         sch.decompose_reduction(part, sch.get_loops(part)[-2])
     sch.decompose_reduction(xsum, sch.get_loops(xsum)[-1])
-    if not short:
+    if chunks % lanes == 0:
         sch.decompose_reduction(rf, co)
+    # Else TVM cannot hoist the init out of a split with a tail (the bindings are not
+    # affine); it stays as "if first chunk iteration: zero", which every lane runs,
+    # since there are at least as many chunks as lanes.
 
 
 def _cache_weight_words(sch: s_tir.Schedule, parts, co, desc) -> None:

@@ -3,9 +3,9 @@ attention matmuls, SwiGLU, embedding gathers), CUDA and OpenCL targets.
 
 :func:`schedule_generic_ops` runs before ``tvm.compile``:
 
-1. the qtvm kernels are marked opaque (fusion never touches them), then TVM's own GPU
-   passes legalize and fuse the rest (library dispatch -- cumsum becomes TVM's GPU scan --,
-   LegalizeOps, FuseOps, FuseTIR);
+1. the qtvm kernels are marked opaque (fusion never touches them); a cumsum along the last
+   axis becomes ``row_cumsum`` (TVM's GPU scan relies on warp lockstep); then TVM's own GPU
+   passes legalize and fuse the rest (library dispatch, LegalizeOps, FuseOps, FuseTIR);
 2. the mixed format's CSR outlier functions get their rule (``gpu_sparse``);
 3. every other fused PrimFunc is scheduled by TVM's dlight GPU rules (``tvm.s_tir.dlight``:
    Matmul, GEMV, Reduction, GeneralReduction, Fallback; RMSNorm ahead of them), the same
@@ -47,6 +47,70 @@ def dlight_rules() -> list:
             dl.gpu.Fallback()]
 
 
+def row_cumsum(in_dtype: str, out_dtype: str, threads: int = 64) -> tirx.PrimFunc:
+    """cumsum along the last axis of [outer, n]: one thread per row, a sequential scan.
+    Replaces TVM's GPU scan (``gpu_2d_continuous_cumsum``), whose in-warp steps read
+    and write shared memory with no barrier between them (correct only while a warp runs
+    in lockstep, and wrong on PoCL, where it could not be checked). The bundled models
+    scan positions, [batch, seq]: a few rows, each microseconds long."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(var_a: T.handle, var_out: T.handle):
+        T.func_attr({SCHEDULED: True, "tirx.noalias": True})
+        outer, n = T.int64(), T.int64()
+        A = T.match_buffer(var_a, (outer, n), in_dtype)
+        Out = T.match_buffer(var_out, (outer, n), out_dtype)
+        for bx in T.thread_binding((outer + threads - 1) // threads, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                with T.sblock("scan"):
+                    T.reads(A[bx * threads + tx, 0:n])
+                    T.writes(Out[bx * threads + tx, 0:n])
+                    acc = T.sblock_alloc_buffer((1,), out_dtype, scope="local")
+                    if bx * threads + tx < outer:
+                        acc[0] = T.cast(0, out_dtype)
+                        for j in range(n):
+                            acc[0] = acc[0] + T.cast(A[bx * threads + tx, j], out_dtype)
+                            Out[bx * threads + tx, j] = acc[0]
+
+    return func
+
+
+def _rows_cumsum(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every inclusive cumsum along the last axis -> reshape, ``row_cumsum``, reshape."""
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    cumsum = tvm.ir.Op.get("relax.cumsum")
+
+    @mutator
+    class _Rewriter(PyExprMutator):
+        def visit_call_(self, call):
+            call = self.visit_expr_post_order(call)
+            if call.op != cumsum or call.attrs.exclusive or call.ty.shape is None or call.attrs.axis is None:
+                return call
+            shape = list(call.ty.shape.values)
+            if int(call.attrs.axis) not in (-1, len(shape) - 1):
+                return call
+            outer = tirx.const(1, "int64")
+            for dim in shape[:-1]:
+                outer = outer * dim
+            x = call.args[0]
+            in_dtype, out_dtype = str(x.ty.dtype), str(call.ty.dtype)
+            gv = self.builder_.add_func(row_cumsum(in_dtype, out_dtype), f"row_cumsum_{in_dtype}_{out_dtype}")
+            rows = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([outer, shape[-1]])))
+            out = self.builder_.emit(relax.op.call_tir(gv, relax.Tuple([rows]),
+                                                       relax.TensorType([outer, shape[-1]], out_dtype)))
+            return relax.op.reshape(out, relax.ShapeExpr(shape))
+
+    rewriter = _Rewriter(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            new = rewriter.visit_expr(func)
+            if not new.same_as(func):
+                rewriter.builder_.update_func(gv, new)
+    return rewriter.builder_.get()
+
+
 def legalize_and_fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """TVM's GPU legalization and fusion, with the qtvm kernels opaque; Relax functions
     nothing calls (the artefact's metadata function) are kept."""
@@ -58,6 +122,7 @@ def legalize_and_fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRMod
     mod = mod.clone()
     for gv, func in marked.items():
         mod[gv] = func
+    mod = _rows_cumsum(mod)
     relax_funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     passes = gpu_generic.library_dispatch_passes(target) + [
         relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),

@@ -89,11 +89,11 @@ def compare_on_opencl(scheduled: tirx.PrimFunc, unscheduled: tirx.PrimFunc, n_ou
         arrays, scalars = random_args(unscheduled, value, rng, n_outputs)
         mine = [a.copy() for a in arrays]
         program.run(*mine, **scalars)
-        ref_args = [tvm.runtime.tensor(a) for a in arrays] + [scalars[p.name] for p in unscheduled.params
-                                                            if not opencl._is_buffer(p)]
-        reference(*ref_args)
+        tensors = [tvm.runtime.tensor(a) for a in arrays]
+        pending = iter(tensors)
+        reference(*[next(pending) if opencl._is_buffer(p) else scalars[p.name] for p in unscheduled.params])
         worst = 0.0
-        for got, want in zip(mine[len(mine) - n_outputs:], ref_args[len(arrays) - n_outputs:len(arrays)]):
+        for got, want in zip(mine[len(mine) - n_outputs:], tensors[len(tensors) - n_outputs:]):
             want = want.numpy()
             if got.dtype.kind == "f":
                 if np.isnan(got).any() and not np.isnan(want).any():

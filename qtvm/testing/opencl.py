@@ -20,6 +20,7 @@ indexing and reductions, not fp16 rounding; kernels that reinterpret half bits r
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -58,6 +59,12 @@ class Program:
     host: tirx.PrimFunc
     kernel_params: dict = field(default_factory=dict)  # kernel -> [param dtypes]
     half_as_float: bool = False
+    #: OpenCL build options. PoCL's optimizer is off by default: on the small shapes checks
+    #: use, compiling costs far more than running (3 s instead of 8 for a GEMM kernel), and
+    #: IEEE float results do not depend on it (OpenCL may contract a * b + c into an fma
+    #: either way, which the checks' tolerances cover).
+    options: tuple = ("-cl-opt-disable",)
+    _built: dict = field(default_factory=dict, repr=False)
 
     def run(self, *arrays, device=None, **scalars) -> list[np.ndarray]:
         """Run with numpy ``arrays`` in the PrimFunc's parameter order (scalar parameters
@@ -81,13 +88,15 @@ class Program:
 
         ctx = device or default_context()
         queue = cl.CommandQueue(ctx)
-        program = cl.Program(ctx, self.source).build()
+        if ctx not in self._built:
+            self._built[ctx] = cl.Program(ctx, self.source).build(options=list(self.options))
+        program = self._built[ctx]
         mf = cl.mem_flags
         host_arrays = [self._device_array(a, buf) for a, buf in zip(arrays, buffers)]
         pointers = {buf: cl.Buffer(ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=h) if h.nbytes else
                     cl.Buffer(ctx, mf.READ_WRITE, 4) for buf, h in zip(buffers, host_arrays)}
         for launch in self._replay(self.host.body, env, pointers, ctx):
-            kernel = getattr(program, launch.kernel)
+            kernel = cl.Kernel(program, launch.kernel)
             values = [self._arg(a, env, pointers, dtype)
                       for a, dtype in zip(launch.args, self.kernel_params[launch.kernel])]
             kernel.set_args(*values)
@@ -147,6 +156,11 @@ class Program:
                 yield from self._replay(stmt.then_case, env, pointers, ctx)
             elif stmt.else_case is not None:
                 yield from self._replay(stmt.else_case, env, pointers, ctx)
+        elif isinstance(stmt, tirx.For):  # host loops (TVM's multi-pass scan launches kernels in one)
+            start = _evaluate(stmt.min, env)
+            for value in range(start, start + _evaluate(stmt.extent, env)):
+                env[stmt.loop_var] = value
+                yield from self._replay(stmt.body, env, pointers, ctx)
         elif isinstance(stmt, tirx.AssertStmt):
             pass  # argument checks of the packed API; the arrays were checked above
         elif isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tvm.ir.expr.Call) \
@@ -214,8 +228,10 @@ def _evaluate(expr, env) -> int:
     raise QtvmError(f"the OpenCL harness cannot evaluate the host expression {expr}")
 
 
+@functools.lru_cache(maxsize=1)
 def default_context():
-    """The first CPU OpenCL device (PoCL), or a clear error naming what to install."""
+    """The first OpenCL device (PoCL here), one context per process, or a clear error
+    naming what to install."""
     try:
         import pyopencl as cl
     except ImportError:
@@ -240,7 +256,7 @@ def available() -> bool:
 
 
 def lower(func: tirx.PrimFunc | tvm.IRModule, target: Target | None = None):
-    """(host PrimFunc right after host/device split, finalized device IRModule, target)."""
+    """(host functions right after the host/device split, finalized device IRModule, target)."""
     target = target or opencl_target()
     mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     mod = tirx.transform.BindTarget(target)(mod)
@@ -261,15 +277,15 @@ def lower(func: tirx.PrimFunc | tvm.IRModule, target: Target | None = None):
     (device_target, device_mod), = devices.items()
     with target:
         device_mod = finalize_device()(device_mod)
-    host = captured["host"]["main"]
-    return host, device_mod, device_target
+    return captured["host"], device_mod, device_target
 
 
 def build(func: tirx.PrimFunc, *, half_as_float: bool = False, target: Target | None = None) -> Program:
     """Lower a scheduled PrimFunc for OpenCL; the returned Program runs it on PoCL."""
     from tvm.tirx.build import codegen_build
 
-    host, device_mod, device_target = lower(func, target)
+    hosts, device_mod, device_target = lower(func, target)
+    host = hosts["main"]
     source = codegen_build(device_mod, device_target).inspect_source()
     params = {gv.name_hint: [_param_dtype(p) for p in f.params] for gv, f in device_mod.functions.items()}
     if half_as_float:

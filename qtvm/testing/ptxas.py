@@ -57,7 +57,36 @@ def cuda_source(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Targe
     from qtvm.testing.opencl import lower
 
     _, device_mod, device_target = lower(func, target)
-    return codegen_build(device_mod, device_target).inspect_source()
+    if not tvm.runtime.enabled("cuda"):  # TVM keeps a source-only module
+        return codegen_build(device_mod, device_target).inspect_source()
+    # With TVM's CUDA runtime loaded (a driver, or qtvm's stub) the code generator also
+    # compiles; hand it a compiler that does nothing, since only the source is wanted.
+    import tvm_ffi
+
+    compile_callback = "tvm_callback_cuda_compile"
+    original = tvm.get_global_func(compile_callback, allow_missing=True)
+    tvm_ffi.register_global_func(compile_callback, lambda code: bytearray(b"qtvm: source only"), override=True)
+    try:
+        return codegen_build(device_mod, device_target).inspect_source()
+    finally:
+        if original is not None:
+            tvm_ffi.register_global_func(compile_callback, original, override=True)
+
+
+def nvcc_flags() -> list[str]:
+    """The flags TVM's nvcc path compiles artefacts with (``tvm.support.nvcc``), minus fast
+    math, which qtvm turns off (``qtvm.cuda.compile_cuda``): ptxas' register budget depends
+    on them, so spills are checked under the same ones."""
+    try:
+        from tvm.support.nvcc import _ptxas_option_flags
+
+        ptxas_flags = list(_ptxas_option_flags())
+    except ImportError:  # a TVM without the helper: its 0.27 defaults
+        ptxas_flags = ["-v", "--register-usage-level=10", "--warn-on-local-memory-usage"]
+    if "-v" not in ptxas_flags:
+        ptxas_flags.append("-v")
+    return ["-O3", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "--expt-relaxed-constexpr",
+            f"--ptxas-options={','.join(ptxas_flags)}"]
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
@@ -67,7 +96,7 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def ptxas_check(source: str, arch: str, timeout: float = 300) -> list[KernelResources]:
-    """nvcc -cubin -arch=<arch> -Xptxas -v on the source; one KernelResources per kernel."""
+    """nvcc -cubin -arch=<arch> (TVM's flags, ptxas -v) on the source; one KernelResources per kernel."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise QtvmError("nvcc is not installed", "install the CUDA toolkit (nvcc, ptxas) or set CUDA_HOME")
@@ -75,8 +104,8 @@ def ptxas_check(source: str, arch: str, timeout: float = 300) -> list[KernelReso
         src = os.path.join(tmp, "kernels.cu")
         with open(src, "w") as f:
             f.write(source)
-        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"),
-                               src], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *nvcc_flags(), "-o", os.path.join(tmp, "k.cubin"), src],
+                              capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[-300:])
         raise QtvmError(f"nvcc could not compile the CUDA source for {arch}: {first}")

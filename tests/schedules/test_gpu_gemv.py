@@ -1,0 +1,75 @@
+"""GPU decode GEMV rule: the scheduled TIR on PoCL against each format's numpy reference,
+and its CUDA through ptxas for sm_80 and sm_90 (no spills)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qtvm import ops
+from qtvm.formats import get_format
+from schedules import facts, gpu, gpu_gemv
+from tests.gpu import SM80, blocked, check_ptxas, needs_nvcc, needs_opencl, rel_err, run_on_pocl, scheduled
+
+# One case per format family; K not a multiple of the group (or of 32 lanes' chunks),
+# N not a multiple of the columns a block covers.
+CASES = [("int4-g128", 300, 37), ("int3-g128", 1000, 70), ("int2-g64", 1000, 33), ("int8-g32", 200, 9),
+         ("int4-g128-qz", 700, 37), ("e0m4-g128", 700, 37), ("bcq3-g128", 300, 40), ("int4-col", 100, 37),
+         ("int2-g16", 576, 37)]  # 36 chunks over 32 lanes: a tail iteration
+
+
+def gemv_func(preset: str, k: int, n: int, target=SM80):
+    fmt = get_format(preset)
+    return scheduled(ops.qmatmul_func(fmt, k, n, facts(target).col_block, **facts(target).gemv_options(fmt, k)), target)
+
+
+def gemv(preset: str, k: int, n: int, target=SM80):
+    qt = get_format(preset).quantize(np.random.default_rng(k + n).standard_normal((k, n)).astype(np.float32))
+    return qt, gemv_func(preset, k, n, target)
+
+
+@needs_opencl
+@pytest.mark.parametrize("preset,k,n", CASES)
+def test_gemv_matches_reference_on_opencl(preset, k, n):
+    qt, func = gemv(preset, k, n)
+    rng = np.random.default_rng(1)
+    for m in (1, 3):  # one kernel, symbolic M
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        assert rel_err(run_on_pocl(func, x, blocked(qt), n), x.astype(np.float64) @ qt.dequantize()) < 1e-5
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_gemv_cuda_fits_without_spills(arch):
+    """The 4096 x 11008 decode shape of every family, plus the awkward test shapes."""
+    # as the pass builds them: N padded with zero columns to the GPU's column tile
+    funcs = {f"gemv_{p.replace('-', '_')}_{k}": gemv_func(p, k, -(-n // gpu.COL_PAD) * gpu.COL_PAD)
+             for p, k, n in CASES}
+    for preset in ("int4-g128", "int3-g128", "e0m4-g128-f16"):
+        funcs[f"gemv_{preset.replace('-', '_')}_big"] = gemv_func(preset, 4096, 11008)
+    report = check_ptxas(funcs, arch)
+    assert report["gemv_int4_g128_big_kernel"].registers <= 128  # 4 warps a block, several blocks an SM
+
+
+def test_gemv_source_uses_128_bit_weight_loads():
+    from qtvm.testing.ptxas import cuda_source
+
+    source = cuda_source(gemv_func("int4-g128", 4096, 11008), SM80)
+    assert "*(int4*)(qweight_local_ptr" in source  # one 16-byte load per lane per chunk of a column
+    assert "__shfl_down_sync" in source  # the lanes' partial sums meet through warp shuffles
+
+
+def test_lane_chunks():
+    """Whole packed runs filling 16 bytes (one 12-byte run for 3-bit), cut to divide the group."""
+    chunk = lambda preset, k=4096: gpu.lane_chunk(get_format(preset), k)  # noqa: E731
+    assert [chunk(p) for p in ("int4-g128", "int2-g64", "int8-g128", "int3-g128", "e0m4-g128", "bcq3-g128",
+                               "bcq2-g64", "int2-g16", "int3-g32")] == [32, 64, 16, 32, 32, 32, 64, 16, 32]
+    assert chunk("int4-col", 100) == 8  # K padded to 104: one word
+
+
+def test_rule_declines_what_it_was_not_shown_right_on():
+    fmt = get_format("int4-g128")
+    blocked64 = ops.qmatmul_func(fmt, 256, 64, 64)  # the x86 layout
+    assert gpu_gemv.schedule_qmatmul_gpu(blocked64, SM80) is None
+    import tvm
+
+    assert gpu_gemv.schedule_qmatmul_gpu(ops.qmatmul_func(fmt, 256, 64, 1), tvm.target.Target("llvm")) is None
