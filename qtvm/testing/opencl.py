@@ -302,4 +302,5 @@ def _half_as_float(source: str) -> str:
         raise QtvmError("this kernel reinterprets fp16 bits; it cannot be checked with half rewritten to float")
     source = re.sub(r"#ifdef cl_khr_fp16\n.*?#endif\n", "", source, flags=re.S)  # TVM's fp16 guard
     source = re.sub(r"#pragma OPENCL EXTENSION cl_khr_fp16 : enable\n?", "", source)
+    source = re.sub(r"\bconvert_half(\d*)", r"convert_float\1", source)
     return re.sub(r"\bhalf(\d*)\b", r"float\1", source)
