@@ -134,6 +134,73 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = 
     return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
 
 
+# -- fp16 activations (a user option: it rounds activations, GPU targets) ----
+BLOCK_XH, BLOCK_DECODE = "x_f16", "w_decode"
+
+
+def f16_unpack_kind(fmt: QuantFormat) -> str | None:
+    """The fp16 unpack (``qtvm.intrin.cuda.RUNS``) of a format's single decode term, or None:
+    uniform int2/3/4/8 (plain or packed zeros) decode to their integer code, E0M4 to
+    1 + code / 16; both are exact in fp16."""
+    desc = fmt.describe()
+    if desc.get("family") == "e0m4" and getattr(fmt, "decode", "fp32") in ("fp32", "fp16"):
+        return "e0m4"
+    if desc.get("family") == "uniform" and int(desc.get("bits", 0)) in (2, 3, 4, 8):
+        return f"u{int(desc['bits'])}"
+    return None
+
+
+def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None) -> tvm.tirx.PrimFunc:
+    """``qmatmul_func``'s arguments and result with fp16 activations (a numerics option):
+
+        x_f16[m, kk]   = fp16(x)                             the activations, rounded
+        w_decode[j, kk] = fp16 decode of the code              exact (codes, 1 + c/16)
+        P[m, c, j]     = sum_{kk in chunk c} x_f16 * w_decode  fp16 products and sums
+        y[m, j]        = sum_c coef * fp32(P) + offset * sum_{kk in c} fp32(x_f16)
+
+    so within a chunk (16 to 64 values) the dot runs in half precision (two weights per
+    instruction on a GPU), across chunks and groups in fp32. ``w_decode`` is a stage of its
+    own so a schedule can decode a whole packed run with one TensorIntrin.
+    """
+    from qtvm.intrin.cuda import RUNS, unpack_value
+
+    kind = f16_unpack_kind(fmt)
+    if kind is None:
+        raise ValueError(f"{fmt.name} has no fp16 decode")
+    words, values, _ = RUNS[kind]
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ch = gs if chunk is None else int(chunk)
+    if ch < 1 or gs % ch:
+        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
+    nchunks, nblk, per_group = kp // ch, -(-n // nb), gs // ch
+    x = te.placeholder((m, k), "float32", name="x")
+    stored, at_column = weight_inputs(fmt, k, n, nb)
+    qweight = stored["qweight"]
+    xk = padded_reader(x, k, kp)
+    xh = te.compute((m, kp), lambda i, kk: xk(i, kk).astype("float16"), name=BLOCK_XH)
+    dec = te.compute((nblk * nb, kp), lambda j, kk: unpack_value(
+        kind, lambda r: qweight[j // nb, (kk // values) * words + r, j % nb], kk % values), name=BLOCK_DECODE)
+    r = te.reduce_axis((0, ch), name="kk")
+    partial = te.compute((m, nchunks, nblk * nb), lambda i, c, j: te.sum(xh[i, c * ch + r] * dec[j, c * ch + r], axis=r),
+                         name=partial_block(0))
+    r2 = te.reduce_axis((0, ch), name="kx")
+    xsum = te.compute((m, nchunks), lambda i, c: te.sum(xh[i, c * ch + r2].astype("float32"), axis=r2),
+                      name=BLOCK_XSUM)
+    rg = te.reduce_axis((0, nchunks), name="g")
+
+    def group_term(i, j):
+        coefs, offset = fmt.te_group_coefs(at_column(j), rg if per_group == 1 else rg // per_group)
+        return coefs[0] * partial[i, rg, j].astype("float32") + offset * xsum[i, rg]
+
+    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
+    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
+    func = te.create_prim_func([x, *stored.values(), y])
+    desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=1, chunk=ch,
+                activations="fp16", unpack=kind)
+    return func.with_attrs({KERNEL_ATTR: "qmatmul_f16", FORMAT_ATTR: desc})
+
+
 # -- int8 activations (a user option: it rounds activations) -----------------
 ACT_BLOCK = 32  # activations share one fp32 scale per 32 values (as llama.cpp's Q8)
 BLOCK_DOT, BLOCK_GPART = "dot", "gpart"

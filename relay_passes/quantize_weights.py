@@ -113,6 +113,15 @@ class _Rewriter(PyExprMutator):
             return False
         return True
 
+    def _f16_activations(self, fmt: QuantFormat, k: int) -> bool:
+        """fp16 activations (the decode GEMV; prefill keeps the exact fp32 GEMM)."""
+        if self.activations != "fp16":
+            return False
+        if not self.facts.f16_activations(fmt, k):
+            self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k} (no fp16 kernel)")
+            return False
+        return True
+
     def _emit_qmatmul(self, x, qt: QuantizedTensor):
         shape = list(x.ty.shape.values)
         lead = shape[:-1]
@@ -152,7 +161,10 @@ class _Rewriter(PyExprMutator):
             fmt, k, n = qt.fmt, qt.k, qt.n
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
             decode = self.facts.decode_kernel.get(str(fmt.describe().get("family")), "qmatmul")
-            if decode == "lut_gemv":
+            if self._f16_activations(fmt, k):
+                gemv = self._kernel("qmatmul_f16", fmt, lambda: ops.qmatmul_f16_func(
+                    fmt, k, n, nb, **self.facts.gemv_options(fmt, k)), k, n)
+            elif decode == "lut_gemv":
                 from qtvm.lut_gemv import lut_gemv_func
 
                 gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
@@ -227,7 +239,7 @@ class _Rewriter(PyExprMutator):
                                                     relax.TensorType([rows, qt.n], "float32")))
 
 
-ACTIVATIONS = ("fp32", "int8")
+ACTIVATIONS = ("fp32", "int8", "fp16")
 
 
 def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat, target: tvm.target.Target,
@@ -235,7 +247,9 @@ def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat, target: tvm.target.Tar
     """Rewrite every Relax function of ``mod``; returns the module and what was packed.
 
     ``activations="int8"`` rounds each matmul's input to int8 per 32 values
-    (a numerics change the user asks for, like llama.cpp's q8 activations).
+    (a numerics change the user asks for, like llama.cpp's q8 activations);
+    ``"fp16"`` (GPU targets) rounds the decode GEMV's input to fp16 and sums each lane's
+    chunk in fp16.
     """
     if activations not in ACTIVATIONS:
         from qtvm.errors import QtvmError

@@ -33,6 +33,7 @@ class KernelFacts:
         one GPU lane reduces before applying group coefficients).
     col_pad: N is padded with zero columns to a multiple of this (the pass slices y), so
         kernels walk whole column tiles without guards.
+    f16_activations(fmt, k): whether the fp16-activation decode kernel exists for it.
     """
 
     family: str
@@ -45,6 +46,7 @@ class KernelFacts:
     decode_kernel: dict = field(default_factory=dict)
     gemv_options: Callable = _no_options
     col_pad: int = 1
+    f16_activations: Callable = lambda fmt, k: False  # noqa: E731
 
     def check_format(self, fmt, target_name: str) -> None:
         """A format family this target has no kernels for is named with the ones it has."""

@@ -91,8 +91,25 @@ def facts(target: tvm.target.Target):
     from schedules.facts import KernelFacts
 
     return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS, row_tile=0,
-                       int8_activations=False, activations=("fp32",),
-                       gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)}, col_pad=COL_PAD)
+                       int8_activations=False, activations=("fp32", "fp16"),
+                       gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)}, col_pad=COL_PAD,
+                       f16_activations=f16_activations)
+
+
+#: fp16 unpacks the fp16 GEMV uses. The 3-bit run intrinsic compiles clean on its own but
+#: spilled 12-24 bytes inside the GEMV on sm_80 (72 registers under TVM's ptxas flags):
+#: int3 keeps the exact fp32 kernel.
+F16_UNPACKS = ("u2", "u4", "u8", "e0m4")
+
+
+def f16_activations(fmt, k: int) -> bool:
+    """The fp16 GEMV serves a format whose decode has an fp16 unpack intrinsic, with
+    lane chunks of whole packed runs (one intrinsic call per run)."""
+    from qtvm.intrin.cuda import RUNS
+    from qtvm.ops import f16_unpack_kind
+
+    kind = f16_unpack_kind(fmt)
+    return kind in F16_UNPACKS and lane_chunk(fmt, k) % RUNS[kind][1] == 0
 
 
 def rules() -> list:

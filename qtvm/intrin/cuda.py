@@ -1,8 +1,10 @@
 """CUDA unpack TensorIntrins: one packed run of a column -> fp16 values, in a few
 instructions per pair of weights (the fp16 paths; the exact fp32 kernels never use them).
 
-``qtvm_unpack_{kind}_f16x{values}_cuda`` (desc: the plain decode of the run, the same TIR
-as ``unpack_value``; impl: a device function from ``HELPERS``):
+``qtvm_unpack_{kind}_f16x{values}_cuda``: one run of one column of a column-blocked array
+(``W[1, words, 1]`` int32, local) -> ``O[1, values]`` fp16 (local). desc: the plain decode,
+``unpack_value``, the TIR the fp16 kernels compute; impl: a device function
+(``helper_source``) called through TVM's ``cuda.func_call``:
   u4    1 word -> 8 values:  per half2, lop3 ((w >> 4i) & 0x000f000f) | 0x64006400 gives
         the halves 1024 + v_i and 1024 + v_{i+4}: the 0x6400 magic exponent makes the code
         the mantissa of 1024; one hsub2 of 1024 leaves the code, exactly.
@@ -183,23 +185,23 @@ def _make(kind: str):
 
     @T.prim_func(s_tir=True)
     def desc(w: T.handle, o: T.handle) -> None:
-        W = T.match_buffer(w, (words,), "int32", offset_factor=1, scope="local")
-        O = T.match_buffer(o, (values,), "float16", offset_factor=1, scope="local")
+        W = T.match_buffer(w, (1, words, 1), "int32", offset_factor=1, scope="local")
+        O = T.match_buffer(o, (1, values), "float16", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(W[0:words])
-            T.writes(O[0:values])
+            T.reads(W[0, 0:words, 0])
+            T.writes(O[0, 0:values])
             for j in range(values):
                 with T.sblock("unpack"):
                     vj = T.axis.spatial(values, j)
-                    O[vj] = unpack_value(kind, lambda r: W[r], vj)
+                    O[0, vj] = unpack_value(kind, lambda r: W[0, r, 0], vj)
 
     @T.prim_func(s_tir=True)
     def impl(w: T.handle, o: T.handle) -> None:
-        W = T.match_buffer(w, (words,), "int32", offset_factor=1, scope="local")
-        O = T.match_buffer(o, (values,), "float16", offset_factor=1, scope="local")
+        W = T.match_buffer(w, (1, words, 1), "int32", offset_factor=1, scope="local")
+        O = T.match_buffer(o, (1, values), "float16", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(W[0:words])
-            T.writes(O[0:values])
+            T.reads(W[0, 0:words, 0])
+            T.writes(O[0, 0:values])
             T.evaluate(cuda_func_call(helper_name(kind), W.access_ptr("r"), O.access_ptr("w"), source_code=source))
 
     return desc, impl

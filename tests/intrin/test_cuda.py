@@ -50,9 +50,10 @@ def test_systematic_names_are_registered():
 def unpack_kernel(kind: str, n: int = 64, runs: int = 4, tensorize: bool = True):
     """O[n, runs * values] = decode(W[n, runs * words]): one thread per column."""
     words, values, _ = intrin.RUNS[kind]
-    w = te.placeholder((n, runs * words), "int32", name="W")
+    w = te.placeholder((n, runs * words, 1), "int32", name="W")  # column-blocked, one column a block
     o = te.compute((n, runs * values),
-                   lambda j, k: intrin.unpack_value(kind, lambda r: w[j, (k // values) * words + r], k % values), name="O")
+                   lambda j, k: intrin.unpack_value(kind, lambda r: w[j, (k // values) * words + r, 0], k % values),
+                   name="O")
     sch = s_tir.Schedule(te.create_prim_func([w, o]))
     block = sch.get_sblock("O")
     j, k = sch.get_loops(block)
@@ -85,7 +86,7 @@ def test_desc_decode_on_opencl(kind):
 
     words, values, _ = intrin.RUNS[kind]
     runs = runs_for(kind, 256)  # 64 columns x 4 runs
-    w = runs.reshape(64, 4 * words)
+    w = runs.reshape(64, 4 * words, 1)
     out = np.full((64, 4 * values), np.nan, np.float16)
     opencl.build(unpack_kernel(kind, tensorize=False), half_as_float=True).run(w, out)  # values exact either way
     np.testing.assert_array_equal(out.astype(np.float64).reshape(256, values), reference(kind, runs))

@@ -80,3 +80,22 @@ def test_int8_activations_on_a_gpu_fall_back_with_a_note():
     _, report = quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), parse_target("cuda -arch=sm_90"),
                                  activations="int8")
     assert report.fp32_activation_fallbacks and "cuda" in report.fp32_activation_fallbacks[0]
+
+
+def test_fp16_activations_on_a_gpu_use_the_fp16_gemv():
+    from qtvm.target import parse_target
+
+    mod, report = quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), parse_target("cuda -arch=sm_90"),
+                                   activations="fp16")
+    names = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {n.split("_int4")[0] for n in names} == {"qmatmul_f16", "qmatmul_gemm"} and not report.fp32_activation_fallbacks
+    _, report = quantize_weights(import_onnx(mlp_model()), get_format("int3-g32"), parse_target("cuda -arch=sm_90"),
+                                 activations="fp16")
+    assert report.fp32_activation_fallbacks and "no fp16 kernel" in report.fp32_activation_fallbacks[0]
+
+
+def test_fp16_activations_are_named_where_a_target_has_none():
+    from qtvm.errors import QtvmError
+
+    with pytest.raises(QtvmError, match="--act fp16 has no kernels for target llvm; use one of: fp32, int8"):
+        quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), TARGET, activations="fp16")
