@@ -129,7 +129,7 @@ class _Rewriter(PyExprMutator):
         for d in lead:
             rows = rows * d
         x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([rows, qt.k])))
-        parts = qt.fmt.kernel_parts(qt)
+        parts = qt.fmt.kernel_parts(qt, **self.facts.parts_options)
         y2 = None
         for row_index, part in parts.dense:
             xp = x2 if row_index is None else self.builder_.emit(

@@ -34,6 +34,8 @@ class KernelFacts:
     col_pad: N is padded with zero columns to a multiple of this (the pass slices y), so
         kernels walk whole column tiles without guards.
     f16_activations(fmt, k): whether the fp16-activation decode kernel exists for it.
+    parts_options: keyword arguments for a composite format's ``kernel_parts`` (the GPU
+        runs mixed-2-4-16's 2-bit part on its stored second-order scales).
     """
 
     family: str
@@ -47,6 +49,7 @@ class KernelFacts:
     gemv_options: Callable = _no_options
     col_pad: int = 1
     f16_activations: Callable = lambda fmt, k: False  # noqa: E731
+    parts_options: dict = field(default_factory=dict)
 
     def check_format(self, fmt, target_name: str) -> None:
         """A format family this target has no kernels for is named with the ones it has."""

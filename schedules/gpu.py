@@ -93,7 +93,8 @@ def facts(target: tvm.target.Target):
     return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS, row_tile=0,
                        int8_activations=False, activations=("fp32", "fp16"),
                        gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)}, col_pad=COL_PAD,
-                       f16_activations=f16_activations)
+                       f16_activations=f16_activations, decode_kernel={"bcq": "lut_gemv"},
+                       parts_options={"second_order": True})
 
 
 #: fp16 unpacks the fp16 GEMV uses. The 3-bit run intrinsic compiles clean on its own but
@@ -113,9 +114,10 @@ def f16_activations(fmt, k: int) -> bool:
 
 
 def rules() -> list:
-    from schedules import gpu_gemm, gpu_gemv, gpu_sparse
+    from schedules import gpu_gemm, gpu_gemv, gpu_lut, gpu_sparse
 
-    return [gpu_gemv.schedule_qmatmul_gpu, gpu_gemm.schedule_qmatmul_gemm_gpu, gpu_sparse.schedule_outliers_gpu]
+    return [gpu_gemv.schedule_qmatmul_gpu, gpu_gemm.schedule_qmatmul_gemm_gpu, gpu_lut.schedule_lut_gemv_gpu,
+            gpu_sparse.schedule_outliers_gpu]
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):

@@ -27,10 +27,12 @@ def outlier_kernel(csr):
 
 @needs_opencl
 def test_mixed_matmul_on_opencl(mixed):
-    """y = x[:, idx4] @ W4 + x[:, idx2] @ W2 + x @ S, each part a GPU kernel."""
-    parts = mixed.fmt.kernel_parts(mixed)
-    assert len(parts.dense) == 2 and parts.sparse is not None and len(parts.sparse[2]) > 0
+    """y = x[:, idx4] @ W4 + x[:, idx2] @ W2 + x @ S, each part a GPU kernel; the 2-bit
+    part's scales are decoded from their stored 4-bit codes inside its kernel."""
     gpu = facts(SM80)
+    parts = mixed.fmt.kernel_parts(mixed, **gpu.parts_options)
+    assert len(parts.dense) == 2 and parts.sparse is not None and len(parts.sparse[2]) > 0
+    assert parts.dense[1][1].fmt.name == "int2-g16-so4x16"
     rng = np.random.default_rng(1)
     for m in (1, 3, 67):
         x = rng.standard_normal((m, K)).astype(np.float32)
@@ -40,7 +42,7 @@ def test_mixed_matmul_on_opencl(mixed):
                 func = ops.qmatmul_func(part.fmt, part.k, N, 1, **gpu.gemv_options(part.fmt, part.k))
             else:
                 func = qmatmul_gemm_func(part.fmt, part.k, N, 1)
-            y += run_on_pocl(scheduled(func), x[:, rows], blocked(part), N)
+            y += run_on_pocl(scheduled(func), x[:, rows], blocked(part), N, half_as_float=True)  # fp16 minima
         y += run_on_pocl(outlier_kernel(parts.sparse), x, sparse_outlier_arrays(parts.sparse), N,
                          half_as_float=True)  # fp16 values widened to fp32 either way: exact
         assert rel_err(y, mixed_matmul_reference(x, mixed)) < 1e-5
