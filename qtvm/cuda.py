@@ -11,6 +11,7 @@ it says that no CUDA device is present. A real driver is never shadowed.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -142,12 +143,11 @@ def nvcc_available() -> bool:
     return nvcc_path() is not None
 
 
-def compile_cuda(mod, target, relax_pipeline="default"):
-    """``tvm.compile`` for a CUDA target: device code by nvcc (TVM's default, NVRTC, needs
-    the cuda-bindings package), the runtime (driver or stub) loaded so the device code is
-    embedded in the artefact instead of being left as source."""
-    import tvm
-
+@contextlib.contextmanager
+def compile_settings(target):
+    """What TVM needs to build CUDA device code into a loadable module: nvcc (TVM's default,
+    NVRTC, needs the cuda-bindings package), no fast math, the runtime (driver or stub)
+    loaded so the device code is embedded instead of left as source, the target current."""
     if not nvcc_available():
         raise QtvmError("compiling for CUDA needs nvcc", "install the CUDA toolkit (nvcc 12 or 13) or set CUDA_HOME")
     load_cuda_runtime()
@@ -159,10 +159,18 @@ def compile_cuda(mod, target, relax_pipeline="default"):
     os.environ.update(settings)
     try:
         with target:  # TVM's nvcc callback reads the arch from the current target
-            return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline)
+            yield
     finally:
         for key, value in previous.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def compile_cuda(mod, target, relax_pipeline="default"):
+    """``tvm.compile`` for a CUDA target under ``compile_settings``."""
+    import tvm
+
+    with compile_settings(target):
+        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline)

@@ -107,7 +107,8 @@ def ptxas_check(source: str, arch: str, timeout: float = 300) -> list[KernelReso
         proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *nvcc_flags(), "-o", os.path.join(tmp, "k.cubin"), src],
                               capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[-300:])
+        lines = proc.stderr.splitlines()
+        first = next((line for line in lines if " error" in line or "fatal" in line), proc.stderr.strip()[-300:])
         raise QtvmError(f"nvcc could not compile the CUDA source for {arch}: {first}")
     return parse_ptxas(proc.stderr + proc.stdout)
 
