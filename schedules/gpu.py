@@ -63,6 +63,15 @@ def applies(func: tvm.tirx.PrimFunc, target: tvm.target.Target, kernel: str) -> 
             and str(func.attrs.get(ops.KERNEL_ATTR, "")) == kernel)
 
 
+def loops_below(sch, block, loop) -> list:
+    """The loops of ``block`` nested inside ``loop`` (unit loops are dropped by TVM, so
+    counting from the innermost end could reach a thread-bound loop)."""
+    loops = sch.get_loops(block)
+    anchor = sch.get(loop)
+    index = next(i for i, lp in enumerate(loops) if sch.get(lp).same_as(anchor))
+    return loops[index + 1:]
+
+
 def stored_bits(desc) -> int:
     """Bits one weight takes in the main packed array."""
     family = str(desc.get("family"))

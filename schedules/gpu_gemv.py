@@ -106,7 +106,8 @@ def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols
     sch.bind(lane_sum, "threadIdx.x")
     sch.set_scope(acc, 0, "local")
     sch.reverse_compute_at(out, jw)
-    sch.unroll(sch.get_loops(out)[-1])
+    for loop in gpu.loops_below(sch, out, jw):
+        sch.unroll(loop)
     for part in parts:
         sch.decompose_reduction(part, sch.get_loops(part)[-2])
     sch.decompose_reduction(xsum, sch.get_loops(xsum)[-1])

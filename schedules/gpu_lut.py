@@ -62,10 +62,9 @@ def apply_lut_gemv_gpu(sch: s_tir.Schedule, desc, *, t_h: int, threads: int, col
     sch.set_scope(part, 0, "local")
     sch.compute_at(xsum, g_in)
     sch.set_scope(xsum, 0, "local")
-    own = 3 if int(desc["planes"]) > 1 else 2  # (plane,) column, chunk: compute_at drops a unit plane loop
-    for loop in sch.get_loops(part)[-own:]:
-        sch.unroll(loop)
-    sch.unroll(sch.get_loops(xsum)[-1])
+    for block in (part, xsum):  # the block's own loops (plane, column, chunk; unit ones dropped)
+        for loop in gpu.loops_below(sch, block, g_in):
+            sch.unroll(loop)
 
     # The slice's tables, in shared memory, built once by all threads of the block.
     sch.set_scope(lut, 0, "shared")  # before compute_at: the region spans the block's threads
@@ -79,7 +78,9 @@ def apply_lut_gemv_gpu(sch: s_tir.Schedule, desc, *, t_h: int, threads: int, col
 
     sch.set_scope(acc, 0, "local")
     sch.reverse_compute_at(out, jt)
-    sch.unroll(sch.get_loops(out)[-1])
+    for loop in gpu.loops_below(sch, out, jt):  # a thread's columns (none when cols = 1)
+        sch.unroll(loop)
     sch.decompose_reduction(acc, slices)
     for block in (part, xsum):
         sch.decompose_reduction(block, sch.get_loops(block)[-1])
+
