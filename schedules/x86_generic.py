@@ -44,7 +44,8 @@ import logging
 import tvm
 from tvm import relax, s_tir, tirx
 
-__all__ = ["schedule_generic_ops", "schedule_generic_func", "is_scheduled", "vectorizable_exp"]
+__all__ = ["schedule_generic_ops", "fuse_generic_ops", "generic_schedules", "schedule_generic_func", "is_scheduled",
+           "vectorizable_exp"]
 
 _LOG = logging.getLogger(__name__)
 _LOAD = tvm.ir.expr.TensorLoad  # TIR's BufferLoad node in 0.27
@@ -80,6 +81,15 @@ def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IR
     LegalizeOps then has nothing left to do)."""
     if target.kind.name != "llvm":
         return mod
+    mod = fuse_generic_ops(mod, target)
+    updates = {gv: f for gv, f in generic_schedules(mod, target).items() if f is not None}
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
+def fuse_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Legalized and fused with TVM's own CPU passes, the qtvm kernels left alone."""
     mod = _mark_kernels_opaque(mod)
     relax_funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     with target:
@@ -91,19 +101,22 @@ def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IR
     for name, func in relax_funcs.items():
         if name not in present:
             mod[name] = func
+    return mod
+
+
+def generic_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> dict:
+    """{GlobalVar: scheduled PrimFunc, or None where no rule fits} for every unscheduled
+    PrimFunc of a fused module (reshape-pattern functions excluded: Relax makes them views,
+    a schedule would make them copies)."""
     lanes = _vector_lanes(target)
-    updates = {}
+    out = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
             continue
         if relax.analysis.has_reshape_pattern(func):
-            continue  # RewriteDataflowReshape makes it a view; a schedule would make it a copy
-        scheduled = schedule_generic_func(func, lanes)
-        if scheduled is not None:
-            updates[gv] = scheduled
-    for gv, func in updates.items():
-        mod[gv] = func
-    return mod
+            continue
+        out[gv] = schedule_generic_func(func, lanes)
+    return out
 
 
 def _mark_kernels_opaque(mod: tvm.IRModule) -> tvm.IRModule:
@@ -302,11 +315,67 @@ def _inline_producers(sch, root) -> None:
             pass
 
 
+def _uses(expr, var) -> bool:
+    found = []
+    _walk(expr, lambda e: found.append(True) if isinstance(e, tirx.Var) and e.same_as(var) else None)
+    return bool(found)
+
+
+#: Calls TVM 0.27's LLVM codegen cannot emit on vectors ("unknown intrinsic"): sinh and cosh
+#: at every float width, the rest in float16 (checked by compiling each one vectorized).
+_SCALAR_ONLY_CALLS = {"sinh": None, "cosh": None, "asin": "float16", "acos": "float16", "atan": "float16",
+                      "asinh": "float16", "acosh": "float16", "atanh": "float16", "erf": "float16",
+                      "log1p": "float16"}
+
+
+def _has_scalar_only_call(block) -> bool:
+    found = []
+
+    def visit(e):
+        if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op):
+            name = e.op.name.split(".")[-1]
+            if name in _SCALAR_ONLY_CALLS and _SCALAR_ONLY_CALLS[name] in (None, str(e.ty)):
+                found.append(name)
+
+    if isinstance(block.body, tirx.stmt.BufferStore):
+        _walk(block.body.value, visit)
+    return bool(found)
+
+
+def _vectorizable(sch, loop) -> bool:
+    """A loop may be vectorized only when it is innermost and no reduction iterator of a
+    block under it moves with it: a nested (reduction) loop or a reduction along the vector
+    lanes turns a vector loop into wrong code, and TVM's vectorize primitive refuses neither.
+    (A reduction block whose init is not decomposed yet is fine: vectorize must come first.)
+    Blocks calling a math function LLVM has no vector form for stay scalar too."""
+    node = sch.get(loop)
+    body = node.body
+    stmts = list(body.seq) if isinstance(body, tirx.stmt.SeqStmt) else [body]
+    for stmt in stmts:
+        if not isinstance(stmt, s_tir.stmt.SBlockRealize):
+            return False
+        block = stmt.block
+        for iv, value in zip(block.iter_vars, stmt.iter_values):
+            if int(iv.iter_type) != tirx.IterVar.DataPar and _uses(value, node.loop_var):
+                return False
+        if _has_scalar_only_call(block):
+            return False
+    return True
+
+
+def _vectorize(sch, loop) -> None:
+    """Vectorize ``loop`` if :func:`_vectorizable`, else leave it serial."""
+    if _vectorizable(sch, loop):
+        sch.vectorize(loop)
+
+
 def _vectorize_inner(sch, loop, lanes: int) -> None:
     """Vectorize ``loop`` (the innermost of a spatial nest) on full vectors. A constant
     extent splits by its largest divisor <= ``lanes`` (no tail); a symbolic one gets a
     tail that LoopPartition splits off (on a constant extent that hint made later
-    passes mix int32 and int64 constants)."""
+    passes mix int32 and int64 constants). Loops :func:`_vectorizable` refuses stay serial."""
+    if not _vectorizable(sch, loop):
+        return
     extent = _const(_extent(sch, loop))
     if extent is not None:
         width = max(d for d in range(1, min(lanes, extent) + 1) if extent % d == 0)
@@ -365,13 +434,13 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     jo, ji = sch.split(j, [None, lanes])
     sch.reorder(io, jo, k, ii, ji)
     sch.unroll(ii)
-    sch.vectorize(ji)
     sch.reverse_compute_at(tile, jo, preserve_unit_loops=True)
     *_, t_i, t_j = sch.get_loops(tile)
     sch.unroll(t_i)
-    sch.vectorize(t_j)
+    _vectorize(sch, t_j)
+    _vectorize(sch, ji)
     init = sch.decompose_reduction(mm, k)
-    sch.vectorize(sch.get_loops(init)[-1])
+    _vectorize(sch, sch.get_loops(init)[-1])
     if batch:  # operand copies per batch slice (the copy-out stays a separate nest: attached
         for pad in producers:  # it gets bounds TVM cannot simplify, and scalar code)
             sch.compute_at(pad, batch[-1], preserve_unit_loops=True)
@@ -410,9 +479,10 @@ def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
     rest = [b for b in sch.get_child_blocks(root) if _name(sch, b) != _name(sch, last)]
     for block in reversed(rest):
         sch.compute_at(block, row, preserve_unit_loops=True)
+    row_loop = sch.get(row)
     for block in sch.get_child_blocks(row):
         inner = sch.get_loops(block)[-1]
-        if "R" not in _iter_kinds(sch, block) and inner != row:
+        if "R" not in _iter_kinds(sch, block) and not sch.get(inner).same_as(row_loop):
             _vectorize_inner(sch, inner, lanes)
     for rf in partial:
         # compute_at rebuilt the nest in iterator order: lanes (rfactor's axis 0) first.
@@ -420,9 +490,9 @@ def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
         lane = loops[[sch.get(lp).same_as(sch.get(row)) for lp in loops].index(True) + 1]
         red = loops[-1]
         sch.reorder(red, lane)
-        sch.vectorize(lane)
+        _vectorize(sch, lane)
         init = sch.decompose_reduction(rf, red)
-        sch.vectorize(sch.get_loops(init)[-1])
+        _vectorize(sch, sch.get_loops(init)[-1])
     return True
 
 
