@@ -117,14 +117,26 @@ class Module:
                     if first[0] != size:
                         raise QtvmError(f"dimension '{dim}' is {first[0]} in input '{first[1]}' but {size} in "
                                         f"input '{name}'", "inputs that share a dimension name must agree")
-            arrays.append(np.ascontiguousarray(a))
+            arrays.append(a if a.flags.c_contiguous else a.copy(order="C"))  # keeps 0-d arrays 0-d
         return arrays
 
     def run(self, feeds: dict) -> dict[str, np.ndarray]:
         arrays = self.check_inputs(feeds)
         result = self._main(*[self._tensor(a) for a in arrays])
-        values = list(result) if isinstance(result, (list, tuple)) or hasattr(result, "__len__") and not hasattr(result, "numpy") else [result]
-        return {spec["name"]: v.numpy() for spec, v in zip(self.outputs, values)}
+        values = [result] if len(self.outputs) == 1 else list(result)
+        return {spec["name"]: _to_numpy(v, spec["dtype"]) for spec, v in zip(self.outputs, values)}
+
+
+def _to_numpy(value, dtype: str) -> np.ndarray:
+    """A VM result as numpy: tensors as they are; a shape (ONNX Shape's output, computed
+    from symbolic dims) or a scalar as an array of the output's declared dtype."""
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    import tvm_ffi
+
+    if isinstance(value, tvm_ffi.Shape):
+        return np.array(list(value), dtype=dtype)
+    return np.array(value, dtype=dtype)
 
 
 def load(path: str | os.PathLike) -> Module:
