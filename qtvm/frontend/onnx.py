@@ -40,11 +40,13 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
 
 
 def validate(model: onnx.ModelProto, name: str = "model") -> None:
-    """Unsupported ops first (all named at once), then the ONNX checker."""
+    """Unsupported ops, attributes and dtypes first (all named at once), then the ONNX checker."""
+    from qtvm.frontend.op_support import unsupported_features
+
     missing = unsupported_ops(model)
-    if missing:
-        raise QtvmError(f"unsupported ONNX ops: {', '.join(missing)}",
-                        "re-export without them, or file an issue naming these ops")
+    problems = ([f"unsupported ONNX ops: {', '.join(missing)}"] if missing else []) + unsupported_features(model)
+    if problems:
+        raise QtvmError("; ".join(problems), "re-export without them, or file an issue naming them")
     try:
         onnx.checker.check_model(model)
     except Exception as e:
