@@ -82,6 +82,16 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_check(args) -> int:
+    from qtvm.check import check, format_report, parse_shape
+
+    feeds = dict(_parse_feed(t) for t in args.input) if args.input else None
+    bindings = [parse_shape(s) for s in args.shape] or None
+    report = check(args.model, args.artefact, bindings, feeds, args.tol, args.seed)
+    print(format_report(report))
+    return 0 if report.ok else 1
+
+
 def _cmd_tune(args) -> int:
     from schedules.tune import tune_command  # imports MetaSchedule: only for this command
 
@@ -124,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print an artefact's metadata")
     i.add_argument("artefact")
     i.set_defaults(fn=_cmd_inspect)
+
+    k = sub.add_parser("check", help="run an artefact and onnxruntime on the same inputs and report the "
+                                     "artefact's own error (exit 1 above float rounding)")
+    k.add_argument("model", help="the ONNX file the artefact was compiled from")
+    k.add_argument("artefact")
+    k.add_argument("--shape", action="append", default=[], metavar="DIM=N,...",
+                   help="bind the symbolic dims (repeat for several bindings); default: three bindings "
+                        "with sizes 1, 3, 17")
+    k.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="use these inputs instead of random ones")
+    k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; 5e-2 for --act int8 artefacts)")
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(fn=_cmd_check)
 
     d = sub.add_parser("demo", help="compile and check the bundled tiny LLaMA model (the main job)")
     d.add_argument("--out-dir", default="out")
