@@ -61,7 +61,7 @@ def drop_markers(mod: tvm.IRModule, markers) -> tvm.IRModule:
     if not markers:
         return mod
     params = _marker_params(mod, markers)
-    main = mod["main"]
+    main = relax.analysis.remove_all_unused(mod["main"])  # e.g. the permute_dims of a Gemm's weight
     used = relax.analysis.free_vars(main.body)
     left = [name for name, var in params.items() if any(var.same_as(u) for u in used)]
     if left:
