@@ -204,8 +204,11 @@ class GptqCheckpoint:
             g_idx = g_idx.astype(np.int64)
             if g_idx.min() < 0 or g_idx.max() >= groups:
                 return f"g_idx values span [{g_idx.min()}, {g_idx.max()}] but there are {groups} groups"
-        return BlockQuantized(f"GPTQ layer '{prefix}'", bits, codes, parts["scales"].astype(np.float32), zeros,
-                              0, group, g_idx)
+        try:
+            return BlockQuantized(f"GPTQ layer '{prefix}'", bits, codes, parts["scales"].astype(np.float32), zeros,
+                                  0, group, g_idx)
+        except QtvmError as e:
+            return e.problem.replace(f"GPTQ layer '{prefix}' has ", "")
 
     # -- mapping onto an ONNX model (called by qtvm.frontend.quantized.lower_quantized) ----------
     def apply(self, lowering) -> None:

@@ -247,6 +247,9 @@ def test_lowering_leaves_no_codes_behind():
     """The lowered graph holds markers, not the codes (nor any float copy of the weights)."""
     layers = nbits_layers()
     model = model_of(layers, [("x", ["batch", 70])], [(node.name, ["batch", 37]) for node, _, _ in layers])
+    from qtvm.frontend.onnx import unsupported_ops
+
+    assert unsupported_ops(model) == []  # validate() lets MatMulNBits through to the lowering
     lowered = lower_quantized(model)
     assert not lowered.model.graph.initializer or all(t.name.endswith("_bias") for t in lowered.model.graph.initializer)
     assert [o.domain for o in lowered.model.opset_import] == [""]
