@@ -69,6 +69,8 @@ def drop_markers(mod: tvm.IRModule, markers) -> tvm.IRModule:
                         "matmul", "report this with the model attached")
     keep = [p for p in main.params if not any(p.same_as(v) for v in params.values())]
     func = relax.Function(keep, main.body, main.ret_ty, main.is_pure, main.attrs, main.span)
+    if main.attrs is not None and "num_input" in main.attrs:  # the importer counted the markers as inputs
+        func = func.with_attr("num_input", int(main.attrs["num_input"]) - len(params))
     mod = mod.copy() if hasattr(mod, "copy") else mod
     mod["main"] = func
     return mod
