@@ -86,8 +86,9 @@ class _Lowering:
         self.graph = self.model.graph
         self.inits = {t.name: t for t in self.graph.initializer}
         self.out = LoweredModel(self.model)
-        self.errors: list[str] = []
         self._arrays: dict[str, np.ndarray] = {}
+        # Names read inside If/Loop bodies: such a tensor has uses this pass cannot rewrite.
+        self.in_subgraphs = {name for node in self.graph.node for g in _subgraphs(node) for name in _reads(g)}
 
     # -- helpers ---------------------------------------------------------------------------
     def array(self, name: str) -> np.ndarray | None:
@@ -98,7 +99,11 @@ class _Lowering:
         return self._arrays[name]
 
     def consumers(self, tensor: str) -> list[tuple[onnx.NodeProto, int]]:
-        return [(n, i) for n in self.graph.node for i, name in enumerate(n.input) if name == tensor]
+        """Top-level (node, input index) uses; a use inside a subgraph counts as (the If/Loop node, -1)."""
+        uses = [(n, i) for n in self.graph.node for i, name in enumerate(n.input) if name == tensor]
+        if tensor in self.in_subgraphs:
+            uses += [(n, -1) for n in self.graph.node if any(tensor in _reads(g) for g in _subgraphs(n))]
+        return uses
 
     def add_marker(self, weight: BlockQuantized, kind: str) -> str:
         name = f"{MARKER_PREFIX}{len(self.out.weights)}"
@@ -337,6 +342,7 @@ class _Lowering:
 
     def _drop_unused_initializers(self):
         used = {name for n in self.graph.node for name in n.input} | {o.name for o in self.graph.output}
+        used |= {name for n in self.graph.node for g in _subgraphs(n) for name in _reads(g)}
         keep = [t for t in self.graph.initializer if t.name in used]
         del self.graph.initializer[:]
         self.graph.initializer.extend(keep)
@@ -344,6 +350,26 @@ class _Lowering:
             keep_ops = [o for o in self.model.opset_import if o.domain != MS_DOMAIN]
             del self.model.opset_import[:]
             self.model.opset_import.extend(keep_ops)
+
+
+def _subgraphs(node) -> list[onnx.GraphProto]:
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def _reads(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a (sub)graph's nodes read, nested subgraphs included."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for g in _subgraphs(node):
+            names |= _reads(g)
+    return names
 
 
 def _unpack_low_first(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -367,4 +393,6 @@ def lower_quantized(model: onnx.ModelProto, gptq=None) -> LoweredModel:
     ``gptq``: a ``qtvm.formats.gptq_checkpoint.GptqCheckpoint`` whose layers replace
     float MatMul/Gemm weights matched by name.
     """
+    if gptq is None and not has_quantized_weights(model):
+        return LoweredModel(model)  # nothing to read: no copy of a (possibly large) float model
     return _Lowering(model).run(gptq)

@@ -255,3 +255,24 @@ def test_lowering_leaves_no_codes_behind():
     assert [o.domain for o in lowered.model.opset_import] == [""]
     assert {n.op_type for n in lowered.model.graph.node} <= {"MatMul", "Add"}
     onnx.checker.check_model(lowered.model)
+
+
+def test_weights_read_inside_subgraphs_are_left_alone():
+    """A dequantized weight an If branch also reads cannot be replaced: it stays in float, said so."""
+    q = onnx.numpy_helper.from_array(np.ones((16, 8), np.int8), "q")
+    s = onnx.numpy_helper.from_array(np.full(8, 0.5, np.float32), "s")
+    branch = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["w"], ["o"])], "b", [],
+                                    [onnx.helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, [16, 8])])
+    nodes = [onnx.helper.make_node("DequantizeLinear", ["q", "s"], ["w"], name="dq", axis=1),
+             onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             onnx.helper.make_node("If", ["c"], ["z"], name="branchy", then_branch=branch, else_branch=branch)]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 16]),
+                     onnx.helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 8]),
+         onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [16, 8])], [q, s])
+    model = onnx.helper.make_model(graph, opset_imports=OPSETS[:1], ir_version=10)
+    lowered = lower_quantized(model)
+    assert not lowered.weights
+    assert any("stays in float: DequantizeLinear 'dq' (it feeds If 'branchy'" in n for n in lowered.notes)
+    assert {t.name for t in lowered.model.graph.initializer} == {"q", "s"}
