@@ -18,13 +18,21 @@ EXIT_INTERNAL = 3
 def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
 
-    result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db)
+    result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
+                           args.gptq_format)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
     if "quantized_matmuls" in meta:
-        print(f"quantized {meta['quantized_matmuls']} matmuls to {meta['format']} ({meta['activations']} activations): "
-              f"{meta['float_weight_bytes'] / 1e6:.2f} MB fp32 -> {meta['packed_bytes'] / 1e6:.2f} MB packed")
+        sizes = (f"({meta['activations']} activations): {meta['float_weight_bytes'] / 1e6:.2f} MB fp32 -> "
+                 f"{meta['packed_bytes'] / 1e6:.2f} MB packed")
+        pre = meta.get("prequantized_matmuls", 0)
+        if not pre:
+            print(f"quantized {meta['quantized_matmuls']} matmuls to {meta['format']} {sizes}")
+        else:
+            rest = meta["quantized_matmuls"] - pre
+            print(f"packed {meta['quantized_matmuls']} matmuls: {pre} quantized in the model or checkpoint "
+                  f"({meta['prequantized']}), {rest} to {meta['format'] if rest else '-'} {sizes}")
     for note in result.notes:
         print(note)
     return 0
@@ -113,12 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="ONNX file")
     c.add_argument("--target", default="host",
                    help="'host', a classic string such as llvm -mcpu=znver2 (quoted or not), or JSON")
-    c.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`), or none")
+    c.add_argument("--quant", default="int4-g128",
+                   help="weight format preset (see `qtvm formats`) for float weights, or none; weights the model "
+                        "brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
     c.add_argument("--act", choices=("fp32", "int8"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), or int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error)")
     c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "
                                                  "than the analytic schedule use the tuned schedule")
+    c.add_argument("--gptq", metavar="CKPT.safetensors",
+                   help="GPTQ checkpoint in the AutoGPTQ/GPTQModel layout (P.qweight, P.qzeros, P.scales, P.g_idx) "
+                        "whose layers replace the model's float MatMul/Gemm weights. Layer P maps to the "
+                        "MatMul/Gemm whose weight initializer is named P.weight or P, or whose node is named "
+                        "/P/MatMul with '.' for '/' (torch's exporter: /layers.0/attn/q_proj/MatMul -> "
+                        "layers.0.attn.q_proj); exact names first, then unique dotted suffixes "
+                        "(model.layers.0.q_proj matches layers.0.q_proj). Layers that match nothing, several "
+                        "weights, or a weight of another shape are all named in one error")
+    c.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None,
+                   help="zero-point convention of --gptq: gptq = v1 (AutoGPTQ: stored zero + 1), gptq_v2 "
+                        "(GPTQModel: stored as is); default: the file's checkpoint_format metadata, else gptq")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
     c.set_defaults(fn=_cmd_compile)
 

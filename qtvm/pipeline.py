@@ -54,30 +54,42 @@ def _metadata_function(meta: dict) -> relax.Function:
 
 
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
-                 activations: str = "fp32", db: str | os.PathLike | None = None):
-    """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export."""
-    from relay_passes.quantize_weights import quantize_weights
+                 activations: str = "fp32", db: str | os.PathLike | None = None,
+                 gptq: str | os.PathLike | None = None, gptq_format: str | None = None):
+    """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
+
+    Weights the model brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) or
+    that a GPTQ checkpoint (``gptq``) supplies run on packed kernels whatever ``quant`` is;
+    ``quant`` quantizes the remaining float weights ("none": they stay float)."""
+    from qtvm.formats.gptq_checkpoint import GptqCheckpoint
+    from qtvm.frontend.quantized import lower_quantized
+    from relay_passes.quantized_onnx import lower_prequantized
     from relay_passes.safe_gather import safe_gather
 
     target = parse_target(target) if isinstance(target, str) else target
     fmt = None if quant == FLOAT else get_format(quant)
     model = load_onnx(model_path)
-    validate(model, f"'{model_path}'")
     summary = summarize(model)
-    mod = safe_gather(import_onnx(model))
-    notes = []
+    lowered = lower_quantized(model, GptqCheckpoint(gptq, gptq_format) if gptq is not None else None)
+    # After lowering: the int4/uint4 codes qtvm reads itself are gone, the rest must be supported.
+    validate(lowered.model, f"'{model_path}'")
+    summary.float_matmuls = [n for n in summary.float_matmuls if n not in lowered.matmul_nodes]
+    mod = safe_gather(import_onnx(lowered.model))
+    notes = list(lowered.notes)
     meta = {
         "format": quant,
-        "activations": activations if fmt is not None else "fp32",
+        "activations": activations if fmt is not None or lowered.weights else "fp32",
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
         "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
         "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.outputs],
     }
-    if fmt is not None:
-        mod, report = quantize_weights(mod, fmt, target, activations)
+    if fmt is not None or lowered.weights:
+        mod, report, prequantized = lower_prequantized(mod, lowered.weights, fmt, target, activations)
         meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
                     float_weight_bytes=report.float_bytes)
+        if lowered.weights:
+            meta.update(prequantized_matmuls=prequantized, prequantized=lowered.summary())
         if report.fp32_activation_fallbacks:
             notes.append(f"int8 activations not available for {len(report.fp32_activation_fallbacks)} matmuls "
                          f"({'; '.join(sorted(set(report.fp32_activation_fallbacks)))}): they keep fp32 activations")
@@ -103,12 +115,13 @@ def schedule_generic_ops(mod, target: tvm.target.Target):
 
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
-                  activations: str = "fp32", db: str | os.PathLike | None = None) -> CompileResult:
+                  activations: str = "fp32", db: str | os.PathLike | None = None,
+                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched."""
     start = time.perf_counter()
     out = check_output_path(out)
     target = parse_target(target) if isinstance(target, str) else target
-    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db)
+    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format)
     ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)

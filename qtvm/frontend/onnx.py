@@ -10,6 +10,8 @@ import onnx
 from qtvm.errors import QtvmError
 
 WEIGHT_OPS = ("MatMul", "Gemm")
+# Custom-domain ops qtvm reads itself before TVM's importer (qtvm/frontend/quantized.py).
+QTVM_READS = {("com.microsoft", "MatMulNBits")}
 
 
 @dataclass
@@ -62,6 +64,8 @@ def unsupported_ops(model: onnx.ModelProto) -> list[str]:
     missing = set()
     for node in model.graph.node:
         custom_domain = node.domain not in ("", "ai.onnx")
+        if (node.domain, node.op_type) in QTVM_READS:
+            continue
         if custom_domain or node.op_type not in known:
             missing.add(f"{node.domain}.{node.op_type}" if custom_domain else node.op_type)
     return sorted(missing)

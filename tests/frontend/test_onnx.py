@@ -26,9 +26,9 @@ def test_import_keeps_symbolic_batch():
 def test_unsupported_ops_all_named():
     model = mlp_model()
     model.graph.node.append(onnx.helper.make_node("Det", ["x"], ["d"]))
-    model.graph.node.append(onnx.helper.make_node("MatMulNBits", ["x"], ["q"], domain="com.microsoft"))
-    assert unsupported_ops(model) == ["Det", "com.microsoft.MatMulNBits"]
-    with pytest.raises(QtvmError, match="unsupported ONNX ops: Det, com.microsoft.MatMulNBits"):
+    model.graph.node.append(onnx.helper.make_node("FusedMatMul", ["x"], ["q"], domain="com.microsoft"))
+    assert unsupported_ops(model) == ["Det", "com.microsoft.FusedMatMul"]
+    with pytest.raises(QtvmError, match="unsupported ONNX ops: Det, com.microsoft.FusedMatMul"):
         import_onnx(model)
 
 
