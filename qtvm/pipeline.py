@@ -69,10 +69,9 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     target = parse_target(target) if isinstance(target, str) else target
     fmt = None if quant == FLOAT else get_format(quant)
     model = load_onnx(model_path)
+    validate(model, f"'{model_path}'")
     summary = summarize(model)
     lowered = lower_quantized(model, GptqCheckpoint(gptq, gptq_format) if gptq is not None else None)
-    # After lowering: the int4/uint4 codes qtvm reads itself are gone, the rest must be supported.
-    validate(lowered.model, f"'{model_path}'")
     summary.float_matmuls = [n for n in summary.float_matmuls if n not in lowered.matmul_nodes]
     mod = safe_gather(import_onnx(lowered.model))
     notes = list(lowered.notes)

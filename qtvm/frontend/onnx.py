@@ -93,7 +93,10 @@ def summarize(model: onnx.ModelProto) -> OnnxSummary:
 
 def import_onnx(model: onnx.ModelProto):
     """Relax IRModule with weights bound as constants and dim_params as symbols."""
+    from qtvm.frontend.rewrites import repair
+
     validate(model)
+    model = repair(model)
     from tvm import relax
 
     try:

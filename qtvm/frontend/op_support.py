@@ -68,10 +68,19 @@ def _dtype_problems(model: onnx.ModelProto) -> list[str]:
         if kind != "tensor_type":
             label = (kind or "untyped").removesuffix("_type")
             problems.setdefault(f"{label} values", []).append(f"{what} '{name}'")
-        elif ty.tensor_type.elem_type:
+            continue
+        if ty.tensor_type.elem_type:
             note(ty.tensor_type.elem_type, f"{what} '{name}'")
+        if any(d.HasField("dim_value") and d.dim_value == 0 for d in ty.tensor_type.shape.dim):
+            problems.setdefault("zero-size tensors", []).append(f"{what} '{name}'")
+    # Low-bit codes a DequantizeLinear reads are qtvm's to repack (qtvm/frontend/quantized.py).
+    dequantized = {name for n in model.graph.node if n.op_type == "DequantizeLinear"
+                   for i, name in enumerate(n.input) if i != 1}  # codes and zero points, not scales
     for init in model.graph.initializer:
-        note(init.data_type, f"initializer '{init.name}'")
+        if init.name not in dequantized:
+            note(init.data_type, f"initializer '{init.name}'")
+        if 0 in init.dims:
+            problems.setdefault("zero-size tensors", []).append(f"initializer '{init.name}'")
     for i, node in enumerate(model.graph.node):
         if node.op_type == "Cast" and _attr(node, "to") is not None:
             note(_attr(node, "to"), _node_name(node, i))
@@ -89,9 +98,6 @@ def _op_problems(node: onnx.NodeProto) -> list[str]:
     out = []
     if op in NON_TENSOR_OPS:
         out.append("sequence/optional values are not supported")
-    elif op == "LayerNormalization" and (_has_output(node, 1) or _has_output(node, 2)):
-        out.append("its optional outputs Mean and InvStdDev are not computed right by TVM's converter; "
-                   "export without them")
     elif op == "BatchNormalization" and _attr(node, "training_mode", 0):
         out.append("training_mode=1 is not supported (inference graphs only)")
     elif op == "Dropout" and (_has_input(node, 2) or _has_output(node, 1)):
@@ -131,8 +137,8 @@ def _value_facts(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]
 
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE}
-_INTS = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
-         TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}
+_UNSIGNED = {TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}
+_INTS = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64} | _UNSIGNED
 
 
 def _typed_problems(node: onnx.NodeProto, types: dict[str, int], ranks: dict[str, int]) -> list[str]:
@@ -149,14 +155,52 @@ def _typed_problems(node: onnx.NodeProto, types: dict[str, int], ranks: dict[str
                 "use fmod=1 or integers"]
     if node.op_type == "Pow" and first in _INTS:
         return ["Pow of integer tensors is not supported (TVM's power is float-only)"]
+    if node.op_type.startswith("Reduce") and first == TensorProto.BOOL:
+        return ["reductions of bool tensors fail in TVM; cast to an integer type first"]
+    if node.op_type == "TopK" and first in _UNSIGNED:
+        return [f"TopK of {_dtype_name(first)} tensors fails at run time in TVM; cast to int64 first"]
     return []
+
+
+def _resize_problems(node: onnx.NodeProto, constants: dict) -> list[str]:
+    """Resize forms TVM 0.27 computes wrong or cannot convert (ONNX's resize node tests)."""
+    out = []
+    mode = _attr(node, "mode", b"nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    ctm = _attr(node, "coordinate_transformation_mode", b"half_pixel")
+    ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
+    if _attr(node, "antialias", 0):
+        out.append("antialias=1 is not supported")
+    if ctm == "half_pixel_symmetric":
+        out.append("coordinate_transformation_mode='half_pixel_symmetric' is not supported")
+    if _attr(node, "axes") is not None:
+        out.append("the axes attribute is not supported")
+    if mode in ("linear", "cubic") and _has_input(node, 2):
+        scales = constants.get(node.input[2])
+        if scales is not None and any(v < 1 or v != int(v) for v in scales.ravel().tolist()):
+            out.append(f"{mode} resize by non-integer or downscaling scales is computed wrong by TVM's "
+                       "converter; give the output sizes instead")
+    return out
+
+
+def _constants(model: onnx.ModelProto) -> dict:
+    """Values of initializers and Constant nodes, by name."""
+    from onnx import numpy_helper
+
+    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and isinstance(_attr(node, "value"), TensorProto):
+            out[node.output[0]] = numpy_helper.to_array(_attr(node, "value"))
+    return out
 
 
 def unsupported_features(model: onnx.ModelProto) -> list[str]:
     """Every node, attribute and dtype qtvm refuses, each named, in graph order."""
     problems = _dtype_problems(model)
     types, ranks = _value_facts(model)
+    constants = _constants(model)
     for i, node in enumerate(model.graph.node):
-        for p in _op_problems(node) + _typed_problems(node, types, ranks):
+        resize = _resize_problems(node, constants) if node.op_type == "Resize" else []
+        for p in _op_problems(node) + _typed_problems(node, types, ranks) + resize:
             problems.append(f"{_node_name(node, i)}: {p}")
     return problems

@@ -1,7 +1,9 @@
 """Refusals before import: each rule names the node, the op and what to change, all at once."""
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 from onnx import TensorProto, helper
 
@@ -20,7 +22,10 @@ def _f(name, dims, dtype=TensorProto.FLOAT):
 
 
 @pytest.mark.parametrize("node,needle", [
-    (helper.make_node("LayerNormalization", ["x", "s"], ["y", "mean"], name="ln"), "LayerNormalization 'ln': its optional outputs Mean"),
+    (helper.make_node("Resize", ["x", "", "sc"], ["y"], mode="linear", name="rs"), "Resize 'rs': linear resize by non-integer"),
+    (helper.make_node("Resize", ["x", "", "", "sz"], ["y"], antialias=1), "antialias=1"),
+    (helper.make_node("TopK", ["u", "k"], ["y", "i"]), "TopK of uint64"),
+    (helper.make_node("ReduceMax", ["b"], ["y"]), "reductions of bool"),
     (helper.make_node("BatchNormalization", ["x", "s", "s", "s", "s"], ["y"], training_mode=1), "training_mode=1"),
     (helper.make_node("Dropout", ["x"], ["y", "mask"]), "mask output"),
     (helper.make_node("IsInf", ["x"], ["y"], detect_negative=0), "detect_positive/detect_negative"),
@@ -31,7 +36,11 @@ def _f(name, dims, dtype=TensorProto.FLOAT):
     (helper.make_node("RMSNormalization", ["x", "s"], ["y"], axis=0), "RMSNormalization"),
 ])
 def test_rules(node, needle):
-    model = _model([node], [_f("x", [2, 3]), _f("s", [3])], [_f("y", [2, 3])], opset=23)
+    inits = [onnx.numpy_helper.from_array(np.array([1, 1, 0.5, 0.5], np.float32), "sc"),
+             onnx.numpy_helper.from_array(np.array([1, 1, 2, 2], np.int64), "sz")]
+    model = _model([node], [_f("x", [2, 3]), _f("s", [3]), _f("u", [4], TensorProto.UINT64),
+                            _f("k", [1], TensorProto.INT64), _f("b", [4], TensorProto.BOOL)],
+                   [_f("y", [2, 3])], opset=23, inits=inits)
     problems = unsupported_features(model)
     assert any(needle in p for p in problems), problems
 
@@ -44,6 +53,11 @@ def test_accepted_forms_are_not_refused():
     model = _model(nodes, [_f("x", [2, 3]), _f("s", [3]), _f("i", [4], TensorProto.INT64)],
                    [_f("y", [2, 3]), _f("m", [4], TensorProto.INT64), _f("r", [2, 3]), _f("d", [2, 3])], opset=23)
     assert unsupported_features(model) == []
+
+
+def test_zero_size_tensors_named():
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_f("x", [0, 3])], [_f("y", [0, 3])])
+    assert unsupported_features(model) == ["zero-size tensors (input 'x', output 'y')"]
 
 
 def test_dtypes_and_sequences_named():
