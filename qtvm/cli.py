@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     except QtvmError as e:
         print(f"qtvm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("qtvm: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"qtvm: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except Exception as e:  # a bug in qtvm: say so in one line unless asked for the trace
         if os.environ.get("QTVM_DEBUG"):

@@ -3,7 +3,6 @@ deps, exported kernels, and the qtvm metadata read back from the embedded module
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 

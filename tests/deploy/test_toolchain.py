@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tvm
 
 from qtvm.deploy import toolchain
 from qtvm.errors import QtvmError
