@@ -526,9 +526,35 @@ def local_device() -> str:
     return f"local: {name} ({_cores()} CPUs)"
 
 
+def repair_torn_tail(path: Path) -> bool:
+    """A run killed while appending a record (SIGKILL, power loss) can leave a last line
+    without its newline: complete it if it parses, else drop it (atomically).  True if
+    the file changed.  Every earlier record is a whole line and is kept."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if not data or data.endswith(b"\n"):
+        return False
+    head, _, last = data.rpartition(b"\n")
+    try:
+        json.loads(last)
+        fixed = data + b"\n"
+    except ValueError:
+        fixed = head + b"\n" if head else b""
+    tmp = path.with_name(f".{path.name}.repair")
+    tmp.write_bytes(fixed)
+    os.replace(tmp, path)
+    return True
+
+
 def open_database(db_dir: Path, *, create: bool):
     if create:
         db_dir.mkdir(parents=True, exist_ok=True)
+        for name in DB_FILES:  # only a writer repairs; apply_database reads what is there
+            if repair_torn_tail(db_dir / name):
+                print(f"[{_PROGRESS_PREFIX}] {db_dir / name}: completed or dropped a torn last line (a killed run)",
+                      file=sys.stderr, flush=True)
     paths = [db_dir / name for name in DB_FILES]
     return ms.database.JSONDatabase(str(paths[0]), str(paths[1]), allow_missing=create,
                                     module_equality="structural")

@@ -102,3 +102,25 @@ def test_android_has_no_runtime_wheel():
     chain = toolchain.Toolchain("aarch64-linux-android28", "/ndk/clang++", "android", "aarch64")
     with pytest.raises(QtvmError, match="NDK"):
         native.bundle(chain, "/nonexistent")
+
+
+def test_tiny_llama_for_aarch64_matches_the_host_build(arm_bundle, tiny_llama_path, tiny_llama_int4, tmp_path):
+    """The main job's model (int64 ids, attention, RoPE, packed int4 matmuls), built for
+    aarch64 and run under qemu, against the host build through qtvm.runtime; batch x seq
+    2 x 16 (prefill kernels) and 1 x 1 (GEMV kernels)."""
+    from qtvm import runtime
+
+    _, bundle = arm_bundle
+    art = compile_model(tiny_llama_path, tmp_path / "tiny_aarch64.so", AARCH64, "int4-g128")
+    reference = runtime.load(tiny_llama_int4[0])
+    rng = np.random.default_rng(1)
+    for shape in ((2, 16), (1, 1)):
+        ids = rng.integers(0, 512, shape).astype(np.int64)
+        np.save(tmp_path / "ids.npy", ids)
+        proc = _run([QEMU, "-L", SYSROOT, str(bundle / "qtvm_run"), str(art.path),
+                     f"input_ids={tmp_path / 'ids.npy'}", "-o", str(tmp_path)], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        want = reference.run({"input_ids": ids})["logits"]
+        got = np.load(tmp_path / "logits.npy")
+        assert got.shape == want.shape == (*shape, 512)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
