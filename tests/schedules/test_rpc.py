@@ -311,3 +311,25 @@ def test_interrupted_tuning_keeps_records_and_resumes(cluster, model, tmp_path):
     # by the first run, is not seeded again.
     new = after[len(kept):]
     assert sum(len(r[1][1]) == 10 for r in new) == 2 and len(new) == 2 + 2, [len(r[1][1]) for r in new]
+
+
+def test_candidates_for_an_aarch64_device_are_cross_linked(model, tmp_path):
+    """What an aarch64 board's RPC server would load: a shared library linked by the
+    cross toolchain (here checked with readelf; no aarch64 server runs here)."""
+    from qtvm.deploy import elf, toolchain
+    from tests.deploy.cross import AARCH64, CXX, require_tool
+
+    require_tool(CXX, "g++-aarch64-linux-gnu")
+    target = parse_target(AARCH64)
+    mod, *_ = build_module(model[0], target, "int4-g128")
+    _gv, func = _kernel(mod)
+    compute, why = tune.unscheduled_kernel(func, target)
+    assert compute is not None, why
+    space = tune.KnobSpace.of(compute, target)
+    sch = space.schedule(tune.workload_of(compute)["main"], space.analytic)
+    builder = tune.make_builder(toolchain.toolchain_for(target), shared=True)
+    (result,) = builder.build([tune.ms.builder.BuilderInput(sch.mod, target)])
+    assert result.error_msg is None, result.error_msg
+    assert result.artifact_path.endswith(".so")
+    info = elf.read_elf(result.artifact_path)
+    assert info.machine == "AArch64" and "main" in info.kernels
