@@ -167,6 +167,14 @@ class NoServer(RuntimeError):
     """No server under the key became free within the wait."""
 
 
+class ServerFailed(ConnectionError):
+    """The server the tracker assigned failed; ``addr`` says which."""
+
+    def __init__(self, addr: str, message: str) -> None:
+        super().__init__(message)
+        self.addr = addr
+
+
 def request_session(tracker: Tracker, session_timeout: float):
     """(RPCSession, server address) from the tracker, waiting at most ``wait_s`` for a free server."""
     from tvm import rpc
@@ -184,7 +192,10 @@ def request_session(tracker: Tracker, session_timeout: float):
     if not isinstance(reply, list) or reply[0] != CODE_SUCCESS:
         raise ConnectionError(f"tracker refused the request: {reply}")
     url, port, matchkey = reply[1]
-    return rpc.connect(url, port, matchkey, session_timeout=int(session_timeout) + 1), f"{url}:{port}"
+    try:
+        return rpc.connect(url, port, matchkey, session_timeout=int(session_timeout) + 1), f"{url}:{port}"
+    except Exception as e:  # noqa: BLE001 - the server the tracker gave us did not answer
+        raise ServerFailed(f"{url}:{port}", f"{type(e).__name__}: connecting failed: {e}") from None
 
 
 def describe_device(tracker: Tracker, device_type: str) -> str:
@@ -223,6 +234,8 @@ def _measure_remote(tracker: Tracker, artifact_path: str, device_type: str, args
         sess, addr = request_session(tracker, tracker.timeout_s)
     except NoServer as e:
         return "no-server", None, str(e)
+    except ServerFailed as e:
+        return "error", e.addr, str(e)
     except Exception as e:  # noqa: BLE001
         return "error", None, f"{type(e).__name__}: {e}"
     remote_path = os.path.basename(artifact_path)

@@ -271,6 +271,51 @@ def test_server_killed_mid_tuning(model, tmp_path):
         c.close()
 
 
+FAKE_SERVER = """
+import json, socket, struct, sys
+tracker_port, key = int(sys.argv[1]), sys.argv[2]
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen()
+port = srv.getsockname()[1]
+t = socket.create_connection(("127.0.0.1", tracker_port))
+t.sendall(struct.pack("<i", 0x2F271))
+t.recv(4)
+def call(value):
+    data = json.dumps(value).encode()
+    t.sendall(struct.pack("<i", len(data)) + data)
+    size = struct.unpack("<i", t.recv(4))[0]
+    return t.recv(size)
+call([5, {"key": "server:" + key, "addr": [None, port]}])
+call([3, key, [port, key + ":fake"], None])
+conn, _ = srv.accept()  # a measurement arrives: the device dies
+conn.close(); t.close(); srv.close()
+"""
+
+
+def test_server_dying_during_a_measurement(model, tmp_path):
+    """A server that registers, then dies when a measurement reaches it: that measurement
+    is repeated on the other server, the run names the lost server, no failure is recorded."""
+    (tmp_path / "cluster").mkdir()
+    c = Cluster(tmp_path / "cluster", 1)
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(c.port), KEY], start_new_session=True)
+    c.procs.append(fake)
+    try:
+        _wait(lambda: len(rpc.servers(rpc.summary(c.tracker), KEY)) == 2, 60, "the dying server")
+        fake_addr = next(a for a in rpc.servers(rpc.summary(c.tracker), KEY) if a not in c.servers)
+        target = parse_target("host")
+        mod, *_ = build_module(model[0], target, "int4-g128")
+        report = tune.tune_kernels(mod, target, tmp_path / "db", 4, progress=False, seed=0,
+                                   rpc=rpc.Tracker("127.0.0.1", c.port, KEY, wait_s=20.0))
+        assert fake.wait(timeout=30) == 0  # it was reached, and died
+        lost = [n for n in report.notes if f"RPC server {fake_addr}" in n]
+        assert lost and "lost during a measurement" in lost[0], report.notes
+        assert report.measured == 4
+        assert all(max(float(s) for s in r[1][1]) < 1.0 for r in _records(tmp_path / "db"))
+    finally:
+        c.close()
+
+
 def test_interrupted_tuning_keeps_records_and_resumes(cluster, model, tmp_path):
     db = tmp_path / "db"
     cmd = [sys.executable, "-m", "qtvm.cli", *_tune_cli(model[0], db, "--rpc", cluster.tracker.address,
