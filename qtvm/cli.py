@@ -19,7 +19,7 @@ def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
 
     result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
-                           args.gptq_format)
+                           args.gptq_format, host=args.host, cross_cc=args.cross_cc)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -55,6 +55,9 @@ def _parse_feed(text: str):
 def _cmd_run(args) -> int:
     import numpy as np
 
+    from qtvm.deploy.elf import refuse_foreign
+
+    refuse_foreign(args.artefact)  # before the runtime tries to dlopen another machine's code
     from qtvm import runtime
 
     module = runtime.load(args.artefact)
@@ -84,9 +87,25 @@ def _cmd_formats(args) -> int:
 def _cmd_inspect(args) -> int:
     import json
 
-    from qtvm import runtime
+    from qtvm.deploy.elf import foreign_metadata
 
-    print(json.dumps(runtime.load(args.artefact).metadata, indent=2))
+    meta = foreign_metadata(args.artefact)  # an artefact for another machine: read with readelf
+    if meta is None:
+        from qtvm import runtime
+
+        meta = runtime.load(args.artefact).metadata
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _cmd_bundle_runtime(args) -> int:
+    from qtvm.deploy.native import bundle
+    from qtvm.deploy.toolchain import toolchain_for
+    from qtvm.target import parse_target
+
+    out = bundle(toolchain_for(parse_target(args.host), args.cross_cc), args.output)
+    print(f"wrote {out}/qtvm_run, libtvm_runtime.so, libtvm_ffi.so: copy them with the artefact to the device "
+          "and run ./qtvm_run model.so NAME=input.npy -o OUTDIR")
     return 0
 
 
@@ -111,6 +130,14 @@ def _cmd_demo(args) -> int:
 
     run_demo(out_dir=Path(args.out_dir), target=args.target, quant=args.quant)
     return 0
+
+
+def _add_deploy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="CPU part of a device target, e.g. --target opencl -device=adreno "
+                                  "--host 'llvm -mtriple=aarch64-linux-gnu' (quoted or not)")
+    p.add_argument("--cross-cc", metavar="CXX", help="C++ compiler that links for the target's -mtriple (default: "
+                                                      "aarch64-linux-gnu-g++; Android: the NDK's clang++ under "
+                                                      "ANDROID_NDK_HOME, or TVM_NDK_CC)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero-point convention of --gptq: gptq = v1 (AutoGPTQ: stored zero + 1), gptq_v2 "
                         "(GPTQModel: stored as is); default: the file's checkpoint_format metadata, else gptq")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
+    _add_deploy_arguments(c)
     c.set_defaults(fn=_cmd_compile)
 
     r = sub.add_parser("run", help="run an artefact with the thin runtime")
@@ -185,7 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--db", required=True, metavar="DIR", help="tuning database directory (created if missing)")
     t.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`)")
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
+    _add_deploy_arguments(t)
+    t.add_argument("--rpc", metavar="HOST:PORT", help="measure on the RPC servers registered with this TVM tracker "
+                                                       "(python -m tvm.exec.rpc_tracker) instead of this machine")
+    t.add_argument("--device-key", metavar="KEY", help="the tracker key the device's RPC servers registered under")
+    t.add_argument("--rpc-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for a free RPC server before giving up (default 30)")
     t.set_defaults(fn=_cmd_tune)
+
+    b = sub.add_parser("bundle-runtime", help="TVM runtime libraries + qtvm_run (C++ loader) for a device, "
+                                              "to copy next to a cross-built artefact")
+    b.add_argument("--host", required=True, help="the device's CPU target, e.g. 'llvm -mtriple=aarch64-linux-gnu'")
+    b.add_argument("--cross-cc", metavar="CXX", help="cross C++ compiler (default: found from the triple)")
+    b.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (created)")
+    b.set_defaults(fn=_cmd_bundle_runtime)
 
     from qtvm.bench.gemv import add_bench_parser  # argparse only; imports lazily
     from qtvm.bench.prefill import add_prefill_parser  # argparse only; imports lazily
@@ -206,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     except QtvmError as e:
         print(f"qtvm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("qtvm: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"qtvm: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except Exception as e:  # a bug in qtvm: say so in one line unless asked for the trace
         if os.environ.get("QTVM_DEBUG"):

@@ -15,7 +15,7 @@ from tvm import relax
 from qtvm.errors import QtvmError
 from qtvm.formats import get_format
 from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
-from qtvm.target import cpu_flags_required, parse_target
+from qtvm.target import cpu_flags_required, parse_target, with_host
 
 METADATA_FUNC = "qtvm_metadata"
 FLOAT = "none"  # --quant none: compile the float model through the same pipeline
@@ -50,7 +50,8 @@ def check_output_path(out: str | os.PathLike, what: str = "output", example: str
 def _metadata_function(meta: dict) -> relax.Function:
     """The artefact describes itself: a function returning its metadata as bytes."""
     data = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    return relax.Function([], relax.const(data), relax.TensorType([len(data)], "uint8"))
+    func = relax.Function([], relax.const(data), relax.TensorType([len(data)], "uint8"))
+    return func.with_attr("global_symbol", METADATA_FUNC)  # public: GPU pipelines drop private functions
 
 
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
@@ -115,19 +116,32 @@ def schedule_generic_ops(mod, target: tvm.target.Target):
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                   activations: str = "fp32", db: str | os.PathLike | None = None,
-                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None) -> CompileResult:
-    """Compile and export atomically: ``out`` is either complete or untouched."""
+                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None, *,
+                  host: str | tvm.target.Target | None = None, cross_cc: str | None = None) -> CompileResult:
+    """Compile and export atomically: ``out`` is either complete or untouched.
+
+    ``host`` is the CPU part of a device target (``--host``); an artefact for another
+    machine (``-mtriple``) is linked by its cross toolchain (``qtvm.deploy.toolchain``,
+    resolved before any work; ``cross_cc`` names one) and checked with readelf."""
+    from qtvm.deploy.toolchain import export_library, toolchain_for, with_default_host
+
     start = time.perf_counter()
     out = check_output_path(out)
-    target = parse_target(target) if isinstance(target, str) else target
+    target = with_host(parse_target(target) if isinstance(target, str) else target, host)
+    target, host_note = with_default_host(target)
+    toolchain = toolchain_for(target, cross_cc)
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format)
+    notes = ([host_note] if host_note else []) + notes
     ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:
-        ex.export_library(tmp)
+        export_library(ex, tmp, toolchain)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if toolchain is not None:
+        notes.append(f"cross-built for {toolchain.triple} (linked by {toolchain.cc}; readelf: "
+                     f"{toolchain.elf_machine}, qtvm_metadata present): copy it to the device")
     return CompileResult(out, meta, summary, time.perf_counter() - start, notes)

@@ -73,13 +73,27 @@ def parse_target(text: str) -> tvm.target.Target:
         raise QtvmError(f"invalid target {json.dumps(spec)}: {first}") from None
 
 
+def with_host(target: tvm.target.Target, host: str | tvm.target.Target | None) -> tvm.target.Target:
+    """``target`` with ``host`` (``--host``: an llvm target string) as the CPU part of a device target."""
+    if host is None:
+        return target
+    host = parse_target(host) if isinstance(host, str) else host
+    if host.kind.name != "llvm":
+        raise QtvmError(f"--host must be an llvm (CPU) target, got kind '{host.kind.name}'",
+                        "e.g. --host 'llvm -mtriple=aarch64-linux-gnu'")
+    if target.kind.name == "llvm":
+        raise QtvmError("--host is for device targets (opencl, cuda); an llvm target is its own host",
+                        "put -mtriple=... on --target instead")
+    return tvm.target.Target(target, host=host)
+
+
 def split_cli_target(argv: list[str]) -> list[str]:
-    """Join ``--target llvm -mcpu=x -mattr=y`` (unquoted) into one argument."""
+    """Join ``--target llvm -mcpu=x -mattr=y`` (unquoted; also ``--host``) into one argument."""
     out, i = [], 0
     while i < len(argv):
         word = argv[i]
         out.append(word)
-        if word == "--target" and i + 1 < len(argv):
+        if word in ("--target", "--host") and i + 1 < len(argv):
             parts = [argv[i + 1]]
             i += 2
             while i < len(argv) and argv[i].startswith("-") and not argv[i].startswith("--") and "=" in argv[i]:

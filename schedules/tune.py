@@ -52,8 +52,10 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +74,7 @@ KNOB_PREFIX = "qtvm.knob."
 KNOB_NAMES = ("tile_cols", "unroll", "local_partials", "parallel")
 MARGIN = 0.03  # tuned must beat analytic by 3 % (measurement noise on 2 shared cores)
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
+MODEL_ATTR = "model"  # target attribute holding the device a record was measured on
 TUNABLE_KINDS = ("qmatmul",)  # kernels with a design space here
 _PROGRESS_PREFIX = "qtvm tune"
 
@@ -106,6 +109,7 @@ class TuneReport:
     kernels: list[KernelTuning] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     work_dir: Path | None = None
+    device: str = ""  # what the measurements ran on (also in every record's target)
     trials: int = 0  # asked for
     measured: int = 0  # tuned candidates measured (fewer when the design space is exhausted)
     seconds: float = 0.0
@@ -387,6 +391,12 @@ class InProcessBuilder(ms.builder.PyBuilder):
     from a fixed, verified design space, so process isolation buys nothing.
     """
 
+    def __init__(self, toolchain=None, shared: bool = False) -> None:
+        """``shared``: link a shared library (an RPC server loads it as is; ``toolchain``
+        links it for the device), instead of the object tarball the local runner links."""
+        super().__init__()
+        self.toolchain, self.shared = toolchain, shared
+
     def build(self, build_inputs):
         from tvm.support.tar import tar
 
@@ -394,21 +404,33 @@ class InProcessBuilder(ms.builder.PyBuilder):
         for item in build_inputs:
             try:
                 rt_mod = tvm.tirx.build(item.mod, target=item.target)
-                path = Path(tempfile.mkdtemp(prefix="qtvm-tune-build-")) / f"kernel.{tar.output_format}"
-                rt_mod.export_library(str(path), fcompile=tar)
+                folder = Path(tempfile.mkdtemp(prefix="qtvm-tune-build-"))
+                if self.shared:
+                    path = folder / "kernel.so"
+                    rt_mod.export_library(str(path), fcompile=self.toolchain.fcompile() if self.toolchain else None)
+                else:
+                    path = folder / f"kernel.{tar.output_format}"
+                    rt_mod.export_library(str(path), fcompile=tar)
                 results.append(ms.builder.BuilderResult(str(path), None))
             except Exception as e:  # noqa: BLE001 - a failed candidate is a result, not a crash
                 results.append(ms.builder.BuilderResult(None, f"{type(e).__name__}: {e}"[:2000]))
         return results
 
 
-def make_builder() -> InProcessBuilder:
-    return InProcessBuilder()
+def make_builder(toolchain=None, shared: bool = False) -> InProcessBuilder:
+    return InProcessBuilder(toolchain, shared)
 
 
 def make_runner() -> ms.runner.LocalRunner:
     """The one runner configuration both analytic and tuned schedules are timed with."""
     return ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=_evaluator())
+
+
+def make_rpc_runner(tracker, workers: int, log=None, known=None):
+    """The same evaluator as the local runner, on the tracker's servers (schedules.rpc)."""
+    from schedules.rpc import TrackerRunner
+
+    return TrackerRunner(tracker, _evaluator(), workers, log=log, known=known)
 
 
 def measure(schedules: list[s_tir.Schedule], target, builder, runner, rounds: int = 1) -> list[list[float] | None]:
@@ -419,7 +441,7 @@ def measure(schedules: list[s_tir.Schedule], target, builder, runner, rounds: in
     try:
         for _ in range(rounds):
             todo = [(i, b) for i, b in enumerate(built) if results[i] is not None]
-            futures = runner.run([ms.runner.RunnerInput(b.artifact_path, "cpu",
+            futures = runner.run([ms.runner.RunnerInput(b.artifact_path, _device_type(target),
                                                         ms.arg_info.ArgInfo.from_prim_func(schedules[i].mod["main"]))
                                   for i, b in todo])
             for (i, _), fut in zip(todo, futures):
@@ -445,9 +467,9 @@ def commit_record(db, workload, sch: s_tir.Schedule, run_secs: list[float], targ
 class _Progress(ms.measure_callback.PyMeasureCallback):
     """One stderr line per measured batch."""
 
-    def __init__(self, names: list[str], total: int, enabled: bool) -> None:
+    def __init__(self, names: list[str], total: int, enabled: bool, done: int = 0) -> None:
         self.names, self.total, self.enabled = names, total, enabled
-        self.done, self.best = 0, {}
+        self.done, self.best = done, {}
         self.start = time.perf_counter()
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
@@ -468,13 +490,71 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
 # --------------------------------------------------------------------- database
 
 
+def _device_type(target) -> str:
+    return "cpu" if target.kind.name == "llvm" else target.kind.name
+
+
 def _target_key(target) -> str:
-    return json.dumps({str(k): str(v) for k, v in target.export().items()}, sort_keys=True)
+    """Records match a target by everything but ``model``: the device they were measured on."""
+    return json.dumps({str(k): str(v) for k, v in target.export().items() if str(k) != MODEL_ATTR}, sort_keys=True)
+
+
+def measured_on(target) -> str:
+    """The device a record was measured on ("" for records from before this was kept)."""
+    return str(target.attrs.get(MODEL_ATTR, "") or "") if target is not None else ""
+
+
+def with_device(target, device: str):
+    """``target`` whose ``model`` names the device it is measured on (kept in every record)."""
+    spec = dict(target.export())
+    spec[MODEL_ATTR] = device
+    return tvm.target.Target(spec)
+
+
+def local_device() -> str:
+    """This machine's CPU, as /proc/cpuinfo names it."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"local: {name} ({_cores()} CPUs)"
+
+
+def repair_torn_tail(path: Path) -> bool:
+    """A run killed while appending a record (SIGKILL, power loss) can leave a last line
+    without its newline: complete it if it parses, else drop it (atomically).  True if
+    the file changed.  Every earlier record is a whole line and is kept."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if not data or data.endswith(b"\n"):
+        return False
+    head, _, last = data.rpartition(b"\n")
+    try:
+        json.loads(last)
+        fixed = data + b"\n"
+    except ValueError:
+        fixed = head + b"\n" if head else b""
+    tmp = path.with_name(f".{path.name}.repair")
+    tmp.write_bytes(fixed)
+    os.replace(tmp, path)
+    return True
 
 
 def open_database(db_dir: Path, *, create: bool):
     if create:
         db_dir.mkdir(parents=True, exist_ok=True)
+        for name in DB_FILES:  # only a writer repairs; apply_database reads what is there
+            if repair_torn_tail(db_dir / name):
+                print(f"[{_PROGRESS_PREFIX}] {db_dir / name}: completed or dropped a torn last line (a killed run)",
+                      file=sys.stderr, flush=True)
     paths = [db_dir / name for name in DB_FILES]
     return ms.database.JSONDatabase(str(paths[0]), str(paths[1]), allow_missing=create,
                                     module_equality="structural")
@@ -561,21 +641,27 @@ def _tune_context(mod, target, space, strategy, name: str, rand_state: int) -> m
     return ctx.clone()
 
 
-def _check_target(target) -> tvm.target.Target:
+def _check_target(target, remote: bool = False) -> tvm.target.Target:
+    """A target this machine can measure (``remote``: any target the RPC servers measure)."""
     from qtvm.target import parse_target
     from schedules.target_facts import cpu_facts, host_supports
 
     target = parse_target(target) if isinstance(target, str) else target
+    if remote:
+        if target.kind.name not in ("llvm", "opencl", "cuda"):
+            raise QtvmError(f"cannot tune for target kind '{target.kind.name}'", "use an llvm, opencl or cuda target")
+        return target
     if target.kind.name != "llvm":
-        raise QtvmError(f"cannot tune for target kind '{target.kind.name}' here",
-                        "tuning measures on this machine: use an llvm target")
+        raise QtvmError(f"cannot tune for target kind '{target.kind.name}' on this machine",
+                        "measure on the device: --rpc HOST:PORT --device-key KEY")
     try:
         facts = cpu_facts(target)
     except ValueError as e:
-        raise QtvmError(f"cannot tune for {target}: {e}") from None
+        raise QtvmError(f"cannot tune for {target} on this machine: {e}",
+                        "measure on the device: --rpc HOST:PORT --device-key KEY") from None
     if not host_supports(facts):
         raise QtvmError(f"this machine cannot run code for {target} ({facts.isa})",
-                        "tune on a machine with that ISA, or choose a target this host runs")
+                        "tune on a machine with that ISA (or through --rpc), or choose a target this host runs")
     return target
 
 
@@ -643,23 +729,42 @@ def _kernel_row(task: _Task, decision: _Decision | None) -> KernelTuning:
 
 
 def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, progress: bool = True,
-                 seed: int | None = None) -> TuneReport:
+                 seed: int | None = None, rpc=None, cross_cc: str | None = None) -> TuneReport:
     """Tune every ``qtvm.kernel`` PrimFunc of ``mod`` for ``trials`` measured schedules in
     all (fewer than the number of kernels is fine: the rest keep the analytic schedule);
-    records go to the JSON database in ``work_dir`` (created; earlier records are kept
-    and seed the search).
+    records go to the JSON database in ``work_dir`` as they are measured (created; earlier
+    records are kept and seed the search).
+
+    Resuming: schedules this database already holds for the target count towards
+    ``trials`` and an analytic schedule measured before is not measured again, so an
+    interrupted run, rerun, measures only what is missing.  Every record names the device
+    it was measured on (the target's ``model``); one database holds one device.
+
+    ``rpc`` (a :class:`schedules.rpc.Tracker`) measures on the servers registered under
+    its key, several at once, instead of this machine; candidates are linked for the
+    target's host triple (``qtvm.deploy.toolchain``, ``cross_cc`` names the compiler).
 
     Each kernel is tuned as a copy specialised to M = 1 (decode shapes); the winner is
     replayed on the symbolic kernel by :func:`apply_database`.  Latencies come from
-    MetaSchedule's local runner, which reuses one set of arguments: weights stay
+    MetaSchedule's evaluator, which reuses one set of arguments: weights stay
     cache-resident, so memory-bound GEMV latencies are optimistic (fine for ranking
     schedules, not for bandwidth claims).  ``progress`` prints one stderr line per
     measured batch.
     """
     start = time.perf_counter()
     trials = _check_trials(trials)
-    target = _check_target(target)
+    target = _check_target(target, remote=rpc is not None)
     _check_tuning_deps()
+    say = (lambda text: print(f"[{_PROGRESS_PREFIX}] {text}", file=sys.stderr, flush=True)) if progress else None
+    if rpc is not None:  # every check that can fail fast comes before any work
+        from qtvm.deploy.toolchain import toolchain_for
+        from schedules.rpc import check_tracker, describe_device
+
+        toolchain = toolchain_for(target, cross_cc)
+        known = check_tracker(rpc, log=say)
+        device = describe_device(rpc, _device_type(target))
+    else:
+        toolchain, known, device = None, None, local_device()
     work_dir = Path(work_dir)
     report = TuneReport(work_dir=work_dir, trials=trials)
     tasks = _collect(mod, target, report.notes)
@@ -670,42 +775,129 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     except Exception as e:  # noqa: BLE001 - TVM raises its own error types for bad JSON
         raise QtvmError(f"tuning database in '{work_dir}' is unreadable ({type(e).__name__})",
                         "delete it or choose another --db directory") from None
-    builder, runner = make_builder(), make_runner()
+    _check_one_device(db, tasks, target, device, work_dir)
+    measure_target = with_device(target, device)
+    done_before = _measured_before(db, tasks, target)
+    remaining = trials - sum(done_before.values())
+    if progress:
+        where = f"on {len(known)} RPC server(s) under key '{rpc.key}' ({', '.join(known)})" if rpc else "locally"
+        print(f"[{_PROGRESS_PREFIX}] {len(tasks)} kernel(s), {trials} trials, database {work_dir}, measuring {where}: "
+              f"{device}", file=sys.stderr, flush=True)
+        if sum(done_before.values()):
+            print(f"[{_PROGRESS_PREFIX}] resuming: {sum(done_before.values())} of {trials} trials already in the "
+                  f"database, {max(0, remaining)} to measure", file=sys.stderr, flush=True)
+    builder = make_builder(toolchain, shared=rpc is not None)
+    runner = make_rpc_runner(rpc, len(known), say, known) if rpc is not None else make_runner()
+    interrupt = _InterruptFlag()
     try:
-        _seed_analytic(tasks, db, target, builder, runner, report.notes)
-        names = [task.names[0] for task in tasks]
-        if progress:
-            print(f"[{_PROGRESS_PREFIX}] {len(tasks)} kernel(s), {trials} trials, database {work_dir}",
-                  file=sys.stderr, flush=True)
-        tracker = _Progress(names, trials, progress)
-        per_iter = max(1, min(8, -(-trials // len(tasks))))
-        contexts = [
-            _tune_context(task.workload_mod, target, space_generator(task.space),
-                          ms.search_strategy.EvolutionarySearch(
-                              population_size=64, init_measured_ratio=0.2, init_min_unmeasured=16,
-                              max_fail_count=3, genetic_num_iters=3, genetic_mutate_prob=0.85, eps_greedy=0.25),
-                          name, rand)
-            for task, name, rand in zip(tasks, names, ms.utils.fork_seed(seed, n=len(tasks)))]
-        with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch:
-            ms.tune_tasks(
-                tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=scratch,
-                max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=per_iter,
-                builder=builder, runner=runner, database=db,
-                cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, per_iter), num_tuning_cores=_cores(),
-                                                  verbose_eval=1 << 30),
-                measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
-                                   ms.measure_callback.UpdateCostModel(), tracker],
-                task_scheduler="gradient",
-            )
+        _seed_analytic([t for t in tasks if not _has_analytic(db, t, target)], db, measure_target, builder, runner,
+                       report.notes)
+        tracker = _Progress([task.names[0] for task in tasks], trials, progress, done=trials - max(0, remaining))
+        if remaining > 0:
+            _search(tasks, db, measure_target, builder, runner, tracker, remaining, seed)
         report.measured = tracker.done
         if tracker.done < trials:
             report.notes.append(f"the design space ran out of unmeasured schedules after {tracker.done} of "
                                 f"{trials} trials")
-        _confirm(tasks, db, target, builder, runner, report)
+        _confirm(tasks, db, measure_target, builder, runner, report)
+    except BaseException as e:
+        _raise_stopped(e, interrupt.seen, runner, db, tasks, target, work_dir)
+        raise
     finally:
+        interrupt.restore()
         close_runner(runner)
+        if rpc is not None:
+            report.notes.extend(runner.notes)
+    report.device = device
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _search(tasks, db, target, builder, runner, tracker, trials: int, seed) -> None:
+    """MetaSchedule's evolutionary search over the knob spaces, ``trials`` measurements."""
+    names = [task.names[0] for task in tasks]
+    per_iter = max(1, min(8, -(-trials // len(tasks))))
+    contexts = [
+        _tune_context(task.workload_mod, target, space_generator(task.space),
+                      ms.search_strategy.EvolutionarySearch(
+                          population_size=64, init_measured_ratio=0.2, init_min_unmeasured=16,
+                          max_fail_count=3, genetic_num_iters=3, genetic_mutate_prob=0.85, eps_greedy=0.25),
+                      name, rand)
+        for task, name, rand in zip(tasks, names, ms.utils.fork_seed(seed, n=len(tasks)))]
+    with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch:
+        ms.tune_tasks(
+            tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=scratch,
+            max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=per_iter,
+            builder=builder, runner=runner, database=db,
+            cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, per_iter), num_tuning_cores=_cores(),
+                                              verbose_eval=1 << 30),
+            measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
+                               ms.measure_callback.UpdateCostModel(), tracker],
+            task_scheduler="gradient",
+        )
+
+
+def _records_for(db, task: _Task, target) -> list:
+    wl = db.commit_workload(task.workload_mod)
+    key = _target_key(target)
+    return [r for r in db.get_top_k(wl, 1 << 20) if r.target is not None and _target_key(r.target) == key]
+
+
+def _measured_before(db, tasks, target) -> dict[str, int]:
+    """Distinct tuned knob settings the database holds per kernel for this target."""
+    out = {}
+    for task in tasks:
+        seen = {tuple(sorted(trace_knobs(r.trace).items())) for r in _records_for(db, task, target)}
+        seen.discard(tuple(sorted(task.space.analytic.items())))
+        out[task.names[0]] = len(seen)
+    return out
+
+
+def _has_analytic(db, task: _Task, target) -> bool:
+    return any(trace_knobs(r.trace) == task.space.analytic and r.run_secs for r in _records_for(db, task, target))
+
+
+def _check_one_device(db, tasks, target, device: str, work_dir: Path) -> None:
+    """Timings from two devices are not comparable: a database holds one device's."""
+    for task in tasks:
+        others = {measured_on(r.target) for r in _records_for(db, task, target)} - {"", device}
+        if others:
+            raise QtvmError(f"tuning database '{work_dir}' holds measurements from {sorted(others)[0]}, "
+                            f"this run measures on {device}", "use one --db directory per device")
+
+
+class _InterruptFlag:
+    """Remembers a Ctrl-C: raised inside a callback MetaSchedule's C++ called, the
+    KeyboardInterrupt comes back out of ``tune_tasks`` as an anonymous RuntimeError."""
+
+    def __init__(self) -> None:
+        self.seen, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def _raise_stopped(error: BaseException, interrupted: bool, runner, db, tasks, target, work_dir: Path) -> None:
+    """An interrupted or failed search: say what the database kept and how to go on."""
+    from schedules.rpc import NoServer
+
+    kept = sum(len(_records_for(db, task, target)) for task in tasks)
+    fatal = getattr(getattr(runner, "health", None), "fatal", None)
+    text = f"{type(error).__name__}: {error}"
+    if interrupted or isinstance(error, KeyboardInterrupt):
+        raise KeyboardInterrupt(f"{kept} measured record(s) kept in '{work_dir}'; rerun the same command to "
+                                "resume") from None
+    if fatal or isinstance(error, NoServer) or "NoServer" in text:
+        raise QtvmError(f"{fatal or error}; {kept} measured record(s) kept in '{work_dir}'",
+                        "start an RPC server under the key and rerun the same command to resume") from None
 
 
 def _seed_analytic(tasks, db, target, builder, runner, notes: list[str]) -> None:
@@ -812,20 +1004,38 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
 
 
 def tune_command(args) -> int:
+    from qtvm.deploy.toolchain import with_default_host
     from qtvm.pipeline import FLOAT, build_module
-    from qtvm.target import parse_target
+    from qtvm.target import parse_target, with_host
 
     _check_trials(args.trials)
+    rpc = None
+    if getattr(args, "rpc", None) or getattr(args, "device_key", None):
+        from schedules.rpc import parse_tracker
+
+        if not args.rpc:
+            raise QtvmError("--device-key needs --rpc HOST:PORT (the tracker)")
+        rpc = parse_tracker(args.rpc, args.device_key, getattr(args, "rpc_wait", 30.0))
     if args.quant == FLOAT:
         raise QtvmError("--quant none leaves no packed kernels to tune", "choose a preset such as int4-g128")
     if not Path(args.model).is_file():
         raise QtvmError(f"model file '{args.model}' does not exist")
-    target = _check_target(parse_target(args.target) if isinstance(args.target, str) else args.target)
+    target = parse_target(args.target) if isinstance(args.target, str) else args.target
+    target, host_note = with_default_host(with_host(target, getattr(args, "host", None)))
+    target = _check_target(target, remote=rpc is not None)
+    if rpc is not None:  # tracker, servers and device before the model is even read
+        from qtvm.deploy.toolchain import toolchain_for
+        from schedules.rpc import check_tracker
+
+        toolchain_for(target, getattr(args, "cross_cc", None))
+        check_tracker(rpc)
     mod, _meta, _summary, build_notes = build_module(args.model, target, args.quant)
-    report = tune_kernels(mod, target, Path(args.db), args.trials, progress=not getattr(args, "quiet", False))
+    report = tune_kernels(mod, target, Path(args.db), args.trials, progress=not getattr(args, "quiet", False),
+                          rpc=rpc, cross_cc=getattr(args, "cross_cc", None))
     print(f"tuned {len(report.kernels)} kernel(s) in {report.seconds:.0f} s; database: {report.work_dir}")
-    print("latencies at M = 1 from MetaSchedule's runner (cache-hot weights: optimistic for GEMVs)")
+    print(f"measured on {report.device}")
+    print("latencies at M = 1 from MetaSchedule's evaluator (cache-hot weights: optimistic for GEMVs)")
     print(report.table())
-    for note in build_notes + report.notes:
+    for note in ([host_note] if host_note else []) + build_notes + report.notes:
         print(note)
     return 0
