@@ -99,8 +99,17 @@ def import_onnx(model: onnx.ModelProto):
     model = repair(model)
     from tvm import relax
 
+    import contextlib
+    import io
+    import re
+
+    said = io.StringIO()  # TVM's importer prints "Error converting operator X, with inputs: ..."
     try:
-        return relax.frontend.onnx.from_onnx(model, keep_params_in_input=False)
+        with contextlib.redirect_stdout(said):
+            return relax.frontend.onnx.from_onnx(model, keep_params_in_input=False)
     except Exception as e:
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise QtvmError(f"TVM's ONNX importer failed: {last}", "file an issue with the model attached") from None
+        op = re.search(r"Error converting operator (\w+)", said.getvalue())
+        where = f"the {op.group(1)} node" if op else "a node"
+        raise QtvmError(f"TVM's ONNX importer cannot convert {where}: {last}",
+                        "re-export the model with constant attributes/inputs for it, or file an issue") from None

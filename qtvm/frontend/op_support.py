@@ -25,6 +25,20 @@ NON_TENSOR_OPS = {
 }
 
 
+#: Inputs TVM's importer needs as compile-time values (initializers, Constant nodes, or values
+#: folded from shapes): fed as graph inputs they fail in its converters (or, for Expand, are
+#: taken as the output shape without ONNX's broadcasting). Positions per op.
+CONSTANT_INPUTS = {
+    **{op: (1,) for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
+                           "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "Reshape", "Expand",
+                           "Split", "CumSum", "TopK", "OneHot")},
+    "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3),
+}
+_PARAMETER_NAMES = {"Reshape": "shape", "Expand": "shape", "Split": "split", "CumSum": "axis", "TopK": "k",
+                    "OneHot": "depth", "ConstantOfShape": "shape", "Pad": "pads/constant_value/axes",
+                    "Resize": "roi/scales/sizes"}
+
+
 def _dtype_name(elem_type: int) -> str:
     return TensorProto.DataType.Name(elem_type).lower()
 
@@ -199,8 +213,16 @@ def unsupported_features(model: onnx.ModelProto) -> list[str]:
     problems = _dtype_problems(model)
     types, ranks = _value_facts(model)
     constants = _constants(model)
+    inits = {t.name for t in model.graph.initializer}
+    graph_inputs = {i.name for i in model.graph.input if i.name not in inits}
     for i, node in enumerate(model.graph.node):
         resize = _resize_problems(node, constants) if node.op_type == "Resize" else []
+        runtime = [node.input[p] for p in CONSTANT_INPUTS.get(node.op_type, ())
+                   if p < len(node.input) and node.input[p] in graph_inputs]
+        if runtime:
+            what = _PARAMETER_NAMES.get(node.op_type, "axes")
+            resize.append(f"its {what} input must be a constant (an initializer or Constant node), not the "
+                          f"graph input{'s' if len(runtime) > 1 else ''} {', '.join(repr(r) for r in runtime)}")
         for p in _op_problems(node) + _typed_problems(node, types, ranks) + resize:
             problems.append(f"{_node_name(node, i)}: {p}")
     return problems

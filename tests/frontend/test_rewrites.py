@@ -49,3 +49,20 @@ def test_layer_norm_without_statistics_is_left_alone():
                               [numpy_helper.from_array(np.ones(3, np.float32), "s")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert repair(model) is model
+
+
+@pytest.mark.parametrize("op", ["Softplus", "Mish"])
+def test_softplus_and_mish_keep_their_digits(op):
+    """Against float64 at x where exp(x) underflows 1 + exp(x): relative error a few ulps."""
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
+    fixed = repair(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert all(n.op_type != op for n in fixed.graph.node)
+    x = np.concatenate([np.linspace(-80, 80, 20001), [-9.979998, -30.0, 0.0, 1e-8, -1e-8]]).astype(np.float32)
+    got = ort.InferenceSession(fixed.SerializeToString()).run(None, {"x": x})[0].astype(np.float64)
+    x64 = x.astype(np.float64)
+    sp = np.logaddexp(0.0, x64)
+    want = sp if op == "Softplus" else x64 * np.tanh(sp)
+    nz = np.abs(want) > 1e-37
+    assert (np.abs(got - want)[nz] / np.abs(want[nz])).max() < 8 * 2.0 ** -24

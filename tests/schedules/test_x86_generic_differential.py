@@ -83,6 +83,42 @@ def test_silero_vad(target):
     assert not _check(pairs, target, domains={"sequence": (512, 576, 1024, 1091)})
 
 
+def _cnn_block() -> onnx.ModelProto:
+    """Conv 3x3 (+bias) -> BatchNorm -> Relu -> MaxPool -> 1x1 Conv -> Sigmoid -> GlobalAveragePool ->
+    Flatten -> Gemm, batch and image size symbolic: convolutions with elementwise epilogues."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def init(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3, name)
+
+    inits = [init("w1", 8, 3, 3, 3), init("b1", 8), init("g", 8), init("be", 8), init("mu", 8),
+             numpy_helper.from_array(rng.uniform(0.5, 2, 8).astype(np.float32), "var"), init("w2", 4, 8, 1, 1),
+             init("fc", 5, 4)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c1", "g", "be", "mu", "var"], ["bn"]),
+             helper.make_node("Relu", ["bn"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p", "w2"], ["c2"]),
+             helper.make_node("Sigmoid", ["c2"], ["s"]),
+             helper.make_node("GlobalAveragePool", ["s"], ["gap"]),
+             helper.make_node("Flatten", ["gap"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "h", "w"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_cnn_block(target):
+    mod = import_onnx(_cnn_block())
+    pairs = _scheduled_pairs(mod, target)
+    assert len(pairs) >= 3
+    # Image sides of 2 and more (a 2x2 pool of a 1-pixel image is empty).
+    assert not _check(pairs, target, domains={"h": (2, 3, 64, 67), "w": (3, 64, 67, 2)})
+
+
 def symbolic_variant(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with every input dim > 1 renamed ``n<size>`` (sizes 1 stay: broadcasting)."""
     out = onnx.ModelProto()
