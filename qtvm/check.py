@@ -124,6 +124,7 @@ def _session(model):
 
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to qtvm
+    opts.log_severity_level = 3  # its graph-cleanup warnings are not the user's business here
     try:
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types

@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     except QtvmError as e:
         print(f"qtvm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `qtvm ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt as e:
         print(f"qtvm: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
