@@ -20,6 +20,9 @@ is its own scalar loop nest (165 calls per tiny-LLaMA forward; ``probs @ V`` alo
    * **row reductions** (RMSNorm, softmax): every block computed inside the row loop;
      constant-length sums and maxima rfactored over the vector lanes, elementwise
      blocks vectorized.
+   * **column reductions** (mean-pooling over seq: the input's last index is an output
+     axis): the reduction loops moved outside the last output loop, which is vectorized
+     (4 x 128 x 384 mean: 298 -> 6 us on Zen 5).
 
 3. float32 ``exp``/``sigmoid`` in the scheduled functions become a polynomial (1.2 ulp)
    LLVM can vectorize: on a vector ``llvm.exp`` is one libm call per lane, and exp was
@@ -293,6 +296,8 @@ def _apply_rules(sch: s_tir.Schedule, lanes: int) -> bool:
         return True
     if len(reductions) == 1 and _is_matmul(sch, reductions[0]):
         return _schedule_matmul(sch, root, reductions[0], lanes)
+    if len(reductions) == 1 and _is_column_reduction(sch, reductions[0]):
+        return _schedule_column_reduction(sch, root, reductions[0], lanes)
     return _schedule_rows(sch, root, reductions, lanes)
 
 
@@ -446,6 +451,42 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
             sch.compute_at(pad, batch[-1], preserve_unit_loops=True)
     for block in [*producers, crop]:
         _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
+    return True
+
+
+def _is_column_reduction(sch, block) -> bool:
+    """A reduction over leading axes of its input (mean-pooling over seq): iterators spatial
+    then reduce, and every input read indexed last by the last spatial iterator, so the
+    vector runs along the output and the reduction walks rows."""
+    import re
+
+    stmt = sch.get(block)
+    kinds = _iter_kinds(sch, block)
+    if not re.fullmatch(r"S+R+", kinds) or not isinstance(stmt.body, tirx.stmt.BufferStore):
+        return False
+    last = stmt.iter_vars[kinds.rindex("S")].var
+    out = _write_buffer(sch, block)
+    loads = []
+    _walk(stmt.body.value, lambda e: loads.append(e) if isinstance(e, _LOAD) else None)
+    inputs = [ld for ld in loads if not ld.source.same_as(out)]
+    return bool(inputs) and all(ld.indices and ld.indices[-1].same_as(last) for ld in inputs)
+
+
+def _schedule_column_reduction(sch, root, red, lanes: int) -> bool:
+    """Reduction loops outside the last spatial loop, which is vectorized: each step adds a
+    contiguous vector of a row into a vector of partial results. Other blocks (the mean's
+    divide) keep their own vectorized nests."""
+    kinds = _iter_kinds(sch, red)
+    loops = sch.get_loops(red)
+    p = kinds.count("S")
+    spatial, reduce = loops[:p], loops[p:]
+    sch.reorder(*spatial[:-1], *reduce, spatial[-1])
+    _vectorize_inner(sch, spatial[-1], lanes)
+    init = sch.decompose_reduction(red, reduce[0])
+    _vectorize_inner(sch, sch.get_loops(init)[-1], lanes)
+    for block in sch.get_child_blocks(root):
+        if "R" not in _iter_kinds(sch, block) and _name(sch, block) != _name(sch, init):
+            _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
     return True
 
 
