@@ -44,6 +44,7 @@ timed before and after the search, gets at least as many chances as any other.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -831,6 +832,22 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     return report
 
 
+@contextlib.contextmanager
+def _plain_text_tables():
+    """MetaSchedule prints its task table through pandas when it runs under a Jupyter
+    kernel (``s_tir.meta_schedule.using_ipython``); pandas is no dependency of qtvm, so
+    tuning from a notebook keeps the plain-text table."""
+    import tvm_ffi
+
+    name = "s_tir.meta_schedule.using_ipython"
+    original = tvm_ffi.get_global_func(name)
+    tvm_ffi.register_global_func(name, lambda: False, override=True)
+    try:
+        yield
+    finally:
+        tvm_ffi.register_global_func(name, original, override=True)
+
+
 def _search(tasks, db, target, builder, runner, tracker, trials: int, seed) -> None:
     """MetaSchedule's evolutionary search over the knob spaces, ``trials`` measurements."""
     names = [task.names[0] for task in tasks]
@@ -842,7 +859,7 @@ def _search(tasks, db, target, builder, runner, tracker, trials: int, seed) -> N
                           max_fail_count=3, genetic_num_iters=3, genetic_mutate_prob=0.85, eps_greedy=0.25),
                       name, rand)
         for task, name, rand in zip(tasks, names, ms.utils.fork_seed(seed, n=len(tasks)))]
-    with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch, _plain_text_tables():
         ms.tune_tasks(
             tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=scratch,
             max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=per_iter,
