@@ -666,7 +666,11 @@ class Convergence:
         head = (f"{self.report.measured} tuned schedules measured; analytic "
                 f"{k.analytic_s * 1e6:.1f} us, best tuned {k.tuned_s * 1e6:.1f} us -> {k.use} is used"
                 if k.analytic_s and k.tuned_s else f"{self.report.measured} tuned schedules measured")
-        return head + "\n" + "\n".join(f"  after {d:>3} trials: best {s * 1e6:.1f} us" for d, s in self.points)
+        if not self.points:
+            return head
+        first, last = self.points[0], self.points[-1]
+        return (f"{head}\nbest after the first batch ({first[0]} trials): {first[1] * 1e6:.1f} us; after all "
+                f"{last[0]}: {last[1] * 1e6:.1f} us ({len(self.points)} batches; see .plot())")
 
     def plot(self, ax=None):
         import matplotlib.pyplot as plt
