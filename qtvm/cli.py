@@ -18,8 +18,11 @@ EXIT_INTERNAL = 3
 def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
 
-    result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
-                           args.gptq_format, host=args.host, cross_cc=args.cross_cc)
+    from qtvm.progress import stages
+
+    with stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
+        result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
+                               args.gptq_format, host=args.host, cross_cc=args.cross_cc, progress=step)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -87,14 +90,10 @@ def _cmd_formats(args) -> int:
 def _cmd_inspect(args) -> int:
     import json
 
-    from qtvm.deploy.elf import foreign_metadata
+    from qtvm.describe import read_metadata, summary
 
-    meta = foreign_metadata(args.artefact)  # an artefact for another machine: read with readelf
-    if meta is None:
-        from qtvm import runtime
-
-        meta = runtime.load(args.artefact).metadata
-    print(json.dumps(meta, indent=2))
+    meta = read_metadata(args.artefact)  # read from the file: another machine's artefacts too
+    print(json.dumps(meta, indent=2) if args.json else summary(meta, args.artefact))
     return 0
 
 
@@ -142,6 +141,7 @@ def _add_deploy_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qtvm", description="Quantized-weight compiler on Apache TVM")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="ONNX model -> shared library with packed low-bit matmuls")
@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("formats", help="list weight format presets")
     f.set_defaults(fn=_cmd_formats)
 
-    i = sub.add_parser("inspect", help="print an artefact's metadata")
+    i = sub.add_parser("inspect", help="what an artefact needs and holds: target, CPU flags, signature, formats")
     i.add_argument("artefact")
+    i.add_argument("--json", action="store_true", help="the full metadata as JSON")
     i.set_defaults(fn=_cmd_inspect)
 
     k = sub.add_parser("check", help="run an artefact and onnxruntime on the same inputs and report the "
@@ -234,7 +235,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)  # qtvm quantize-report
     add_prefill_parser(add_bench_parser(sub))  # qtvm bench gemv, qtvm bench prefill
+    _add_verbosity(p)
     return p
+
+
+def _version() -> str:
+    import importlib.metadata as md
+
+    def v(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return f"qtvm {v('qtvm')} (apache-tvm {v('apache-tvm')}, apache-tvm-ffi {v('apache-tvm-ffi')})"
+
+
+def _add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-v/--verbose and -q/--quiet on the main parser and every subcommand (before or after it)."""
+    parsers = [parser]
+    while parsers:
+        q = parsers.pop()
+        taken = q._option_string_actions
+        if "-v" not in taken:
+            q.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                           help="more output (-vv: debug)")
+        if "-q" not in taken:
+            names = ["-q"] + (["--quiet"] if "--quiet" not in taken else [])
+            q.add_argument(*names, action="store_true", dest="quiet", default=argparse.SUPPRESS,
+                           help="no progress bars or info messages")
+        for action in q._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = split_cli_target(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    from qtvm.progress import configure
+
+    configure(getattr(args, "verbose", 0) - (1 if getattr(args, "quiet", False) else 0))
     try:
         return args.fn(args)
     except QtvmError as e:

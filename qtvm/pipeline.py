@@ -87,7 +87,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     if fmt is not None or lowered.weights:
         mod, report, prequantized = lower_prequantized(mod, lowered.weights, fmt, target, activations)
         meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
-                    float_weight_bytes=report.float_bytes)
+                    float_weight_bytes=report.float_bytes, layers=_layer_table(report.layers))
         if lowered.weights:
             meta.update(prequantized_matmuls=prequantized, prequantized=lowered.summary())
         if report.fp32_activation_fallbacks:
@@ -106,6 +106,17 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     return mod, meta, summary, notes
 
 
+def _layer_table(layers) -> list[dict]:
+    """Packed matmuls grouped by (format, K, N), for `qtvm inspect`: bits/weight from stored bytes."""
+    rows: dict[tuple, dict] = {}
+    for layer in layers:
+        key = (layer.qt.fmt.name, layer.k, layer.n)
+        row = rows.setdefault(key, {"format": key[0], "k": layer.k, "n": layer.n, "count": 0,
+                                    "bits_per_weight": round(layer.qt.bits_per_weight, 3)})
+        row["count"] += 1
+    return list(rows.values())
+
+
 def schedule_generic_ops(mod, target: tvm.target.Target):
     """Target rule for the ops around the packed kernels (norms, softmax, attention,
     elementwise): fused and scheduled for LLVM targets, untouched for any other."""
@@ -117,8 +128,11 @@ def schedule_generic_ops(mod, target: tvm.target.Target):
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                   activations: str = "fp32", db: str | os.PathLike | None = None,
                   gptq: str | os.PathLike | None = None, gptq_format: str | None = None, *,
-                  host: str | tvm.target.Target | None = None, cross_cc: str | None = None) -> CompileResult:
+                  host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
+                  progress=None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
+
+    ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
 
     ``host`` is the CPU part of a device target (``--host``); an artefact for another
     machine (``-mtriple``) is linked by its cross toolchain (``qtvm.deploy.toolchain``,
@@ -130,9 +144,13 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     target = with_host(parse_target(target) if isinstance(target, str) else target, host)
     target, host_note = with_default_host(target)
     toolchain = toolchain_for(target, cross_cc)
+    step = progress or (lambda stage: None)
+    step("import + quantize")
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format)
     notes = ([host_note] if host_note else []) + notes
+    step("schedule + build")
     ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
+    step("export")
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:

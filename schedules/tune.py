@@ -44,6 +44,7 @@ timed before and after the search, gets at least as many chances as any other.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -112,6 +113,7 @@ class TuneReport:
     device: str = ""  # what the measurements ran on (also in every record's target)
     trials: int = 0  # asked for
     measured: int = 0  # tuned candidates measured (fewer when the design space is exhausted)
+    history: list = field(default_factory=list)  # (trials done, {kernel: best latency so far}) per batch
     seconds: float = 0.0
 
     def table(self) -> str:
@@ -465,12 +467,20 @@ def commit_record(db, workload, sch: s_tir.Schedule, run_secs: list[float], targ
 
 @derived_object
 class _Progress(ms.measure_callback.PyMeasureCallback):
-    """One stderr line per measured batch."""
+    """One stderr line per measured batch; on a terminal a progress bar instead
+    (``qtvm.progress``: none under ``qtvm -q``). ``history`` keeps (trials done, best
+    latency so far) after each batch: the convergence curve."""
 
     def __init__(self, names: list[str], total: int, enabled: bool, done: int = 0) -> None:
+        from qtvm import progress
+
         self.names, self.total, self.enabled = names, total, enabled
         self.done, self.best = done, {}
+        self.history: list[tuple[int, dict]] = []
         self.start = time.perf_counter()
+        self.bar = progress.bar(total, "qtvm tune", unit="trial") if enabled and progress.bars_enabled() else None
+        if self.bar is not None:
+            self.bar.update(done)
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
         secs = [min(r.run_secs) for r in runner_results if r.error_msg is None and r.run_secs]
@@ -478,7 +488,12 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         name = self.names[task_id]
         if secs:
             self.best[name] = min(self.best.get(name, math.inf), min(float(s) for s in secs))
-        if self.enabled:
+        self.history.append((self.done, dict(self.best)))
+        if self.bar is not None:
+            best = self.best.get(name)
+            self.bar.update(len(measure_candidates))
+            self.bar.set_postfix_str(f"{name}: best {best * 1e6:.1f} us" if best is not None else name)
+        elif self.enabled:
             best = self.best.get(name)
             best_txt = f"{best * 1e6:.1f} us" if best is not None else "none ok"
             failed = len(measure_candidates) - len(secs)
@@ -789,6 +804,7 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     builder = make_builder(toolchain, shared=rpc is not None)
     runner = make_rpc_runner(rpc, len(known), say, known) if rpc is not None else make_runner()
     interrupt = _InterruptFlag()
+    tracker = None
     try:
         _seed_analytic([t for t in tasks if not _has_analytic(db, t, target)], db, measure_target, builder, runner,
                        report.notes)
@@ -796,6 +812,7 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
         if remaining > 0:
             _search(tasks, db, measure_target, builder, runner, tracker, remaining, seed)
         report.measured = tracker.done
+        report.history = tracker.history
         if tracker.done < trials:
             report.notes.append(f"the design space ran out of unmeasured schedules after {tracker.done} of "
                                 f"{trials} trials")
@@ -806,11 +823,29 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     finally:
         interrupt.restore()
         close_runner(runner)
+        if tracker is not None and tracker.bar is not None:
+            tracker.bar.close()
         if rpc is not None:
             report.notes.extend(runner.notes)
     report.device = device
     report.seconds = time.perf_counter() - start
     return report
+
+
+@contextlib.contextmanager
+def _plain_text_tables():
+    """MetaSchedule prints its task table through pandas when it runs under a Jupyter
+    kernel (``s_tir.meta_schedule.using_ipython``); pandas is no dependency of qtvm, so
+    tuning from a notebook keeps the plain-text table."""
+    import tvm_ffi
+
+    name = "s_tir.meta_schedule.using_ipython"
+    original = tvm_ffi.get_global_func(name)
+    tvm_ffi.register_global_func(name, lambda: False, override=True)
+    try:
+        yield
+    finally:
+        tvm_ffi.register_global_func(name, original, override=True)
 
 
 def _search(tasks, db, target, builder, runner, tracker, trials: int, seed) -> None:
@@ -824,7 +859,7 @@ def _search(tasks, db, target, builder, runner, tracker, trials: int, seed) -> N
                           max_fail_count=3, genetic_num_iters=3, genetic_mutate_prob=0.85, eps_greedy=0.25),
                       name, rand)
         for task, name, rand in zip(tasks, names, ms.utils.fork_seed(seed, n=len(tasks)))]
-    with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch, _plain_text_tables():
         ms.tune_tasks(
             tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=scratch,
             max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=per_iter,

@@ -136,13 +136,19 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
         print(f"read bandwidth, {t} thread(s): {bw[t]:.2f} GB/s "
               f"({', '.join(f'{s} streams {v:.1f}' for s, v in detail.items())})", flush=True)
     del probe
+    from qtvm.progress import bar
+
     results = []
+    runs = bar(len(threads), "qtvm bench gemv", unit="thread count")
     for t in threads:
+        runs.set_postfix_str(f"{t} thread(s)")
         out = harness.run_in_subprocess("qtvm.bench.gemv:benchmark_child", {
             "shapes": [list(s) for s in shapes], "threads": t, "formats": list(formats),
             "activations": list(activations), "peers": list(peers), "rounds": rounds, "reference_bw": bw[t],
             "target": target}, harness.thread_env(t))
         results += [harness.BenchResult.from_dict(d).with_bandwidth(bw[t]) for d in out["results"]]
+        runs.update(1)
+    runs.close()
     results.sort(key=lambda r: (r.shape, r.threads, r.kernel))
     print()
     harness.print_table(results, bw)

@@ -5,7 +5,8 @@
 //
 // Inputs are .npy files (little-endian, C order) named as the metadata names them; the
 // VM runs on the CPU (a device part, e.g. OpenCL, needs a runtime built with it).
-// Links against libtvm_ffi.so and libtvm_runtime.so; built by `qtvm bundle-runtime`.
+// Links against libtvm_ffi.so and libtvm_runtime.so; built by `qtvm bundle-runtime` or
+// by the CMake project beside this file (CMakeLists.txt).
 // Exit codes: 0 ok, 2 bad input (one line on stderr), 3 runtime failure.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
@@ -130,6 +131,36 @@ void SaveNpy(const std::string& path, const ffi::Tensor& t) {
 
 std::string Str(const ffi::Any& v) { return std::string(v.cast<ffi::String>()); }
 
+// The CPU flags /proc/cpuinfo lists (x86 Linux); empty where there is no such line.
+std::vector<std::string> CpuFlags() {
+  std::ifstream f("/proc/cpuinfo");
+  std::vector<std::string> flags;
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind("flags", 0) != 0 || line.find(':') == std::string::npos) continue;
+    std::stringstream words(line.substr(line.find(':') + 1));
+    for (std::string w; words >> w;) flags.push_back(w);
+    break;
+  }
+  return flags;
+}
+
+// As qtvm.runtime does: refuse an artefact whose CPU features this CPU lacks (it would die of SIGILL).
+void CheckCpuFlags(const ffi::Map<ffi::Any, ffi::Any>& meta, const std::string& model) {
+  auto it = meta.find(ffi::String("required_cpu_flags"));
+  if (it == meta.end()) return;
+  std::vector<std::string> have = CpuFlags();
+  if (have.empty()) return;  // not x86 Linux: nothing to compare with
+  std::string missing;
+  for (const ffi::Any& flag : (*it).second.cast<ffi::Array<ffi::Any>>()) {
+    std::string f = Str(flag);
+    bool found = false;
+    for (const auto& h : have) found = found || h == f;
+    if (!found) missing += (missing.empty() ? "" : ", ") + f;
+  }
+  if (!missing.empty())
+    throw BadInput("'" + model + "' needs CPU features " + missing + " that this CPU lacks; recompile it with --target host");
+}
+
 int Run(int argc, char** argv) {
   if (argc < 2) throw BadInput("usage: qtvm_run model.so [--metadata] [NAME=in.npy ...] [-o OUTDIR]");
   std::string model = argv[1], out_dir = ".";
@@ -159,6 +190,7 @@ int Run(int argc, char** argv) {
   if (print_metadata) std::printf("%s\n", text.c_str());
   if (feeds.empty()) return 0;
   auto meta = ffi::json::Parse(text).cast<ffi::Map<ffi::Any, ffi::Any>>();
+  CheckCpuFlags(meta, model);
   auto inputs = meta.at(ffi::String("inputs")).cast<ffi::Array<ffi::Any>>();
   auto outputs = meta.at(ffi::String("outputs")).cast<ffi::Array<ffi::Any>>();
   std::vector<ffi::Any> args;

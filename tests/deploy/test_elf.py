@@ -72,7 +72,7 @@ def test_check_flags_what_a_device_could_not_load(artefacts, tmp_path):
 
 def test_inspect_and_run_on_a_foreign_artefact(artefacts, capsys):
     arm, _ = artefacts
-    assert main(["inspect", str(arm.path)]) == 0
+    assert main(["inspect", "--json", str(arm.path)]) == 0
     meta = json.loads(capsys.readouterr().out)
     assert meta["elf_machine"] == "AArch64" and meta["inputs"] == arm.metadata["inputs"]
     assert main(["run", str(arm.path)]) == 2
