@@ -14,6 +14,7 @@ from tvm import relax
 
 from qtvm.errors import QtvmError
 from qtvm.formats import get_format
+from qtvm.frontend.importer import import_facts
 from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
 from qtvm.target import cpu_flags_required, parse_target
 
@@ -64,7 +65,9 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     model = load_onnx(model_path)
     validate(model, f"'{model_path}'")
     summary = summarize(model)
-    mod = safe_gather(import_onnx(model))
+    mod = import_onnx(model)
+    facts = import_facts(mod)
+    mod = safe_gather(mod)
     notes = []
     meta = {
         "format": quant,
@@ -72,7 +75,12 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
         "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
-        "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.outputs],
+        # Output dims as the import derived them from the input symbols (the legacy exporter
+        # names them MatMullogits_dim_0 and the like).
+        "outputs": [{"name": n, "dtype": d, "shape": derived if derived is not None else s}
+                    for (n, d, s), derived in zip(summary.outputs, facts["output_dims"])],
+        "dim_limits": facts["dim_limits"],
+        "may_be_zero": facts["may_be_zero"],
     }
     if fmt is not None:
         mod, report = quantize_weights(mod, fmt, target, activations)
