@@ -17,8 +17,10 @@ EXIT_INTERNAL = 3
 
 def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
+    from qtvm.quiet import tvm_output_captured
 
-    result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db)
+    with tvm_output_captured():  # TVM's own warnings are not the user's business
+        result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")

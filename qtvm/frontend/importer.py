@@ -23,7 +23,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter, get_type, onnx_input
 
 from qtvm.errors import QtvmError
-from qtvm.frontend.shapes import Folder, Known, Symbols, constant_array, is_symbolic, known_from_numpy
+from qtvm.frontend.shapes import Folder, Known, Symbols, constant_array, dim_text, is_symbolic, known_from_numpy
 
 CONTROL_FLOW = ("If", "Loop", "Scan")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps leaves the function alone
@@ -134,7 +134,7 @@ class Importer(ONNXGraphImporter):
         dims = []
         for o in graph.output:
             d = self.dims(o.name)
-            dims.append(None if d is None else [v if isinstance(v, int) else _dim_text(v) for v in d])
+            dims.append(None if d is None else [v if isinstance(v, int) else dim_text(v) for v in d])
         return dims
 
     def _may_be_zero(self, graph) -> list[str]:
@@ -308,11 +308,6 @@ _FIX = "re-export the model (or simplify it), or report it with the model attach
 
 def _where(node: onnx.NodeProto) -> str:
     return f"{node.op_type} node '{node.name or node.output[0]}'"
-
-
-def _dim_text(v) -> str:
-    """A TIR dim expression in the dim_param syntax of ``qtvm.dims`` (``past + seq``)."""
-    return str(v).replace("T.int64(", "(")
 
 
 def _small(t: onnx.TensorProto) -> bool:

@@ -100,7 +100,7 @@ class Symbols:
         return cond if isinstance(cond, bool) else self.analyzer.can_prove(cond)
 
     def text(self, x) -> str:
-        return str(self.norm(x)).replace("T.int64(", "(")
+        return dim_text(self.norm(x))
 
     def dims_text(self, dims) -> str:
         return "[" + ", ".join(self.text(d) for d in dims) + "]" if dims is not None else "[unknown]"
@@ -120,6 +120,30 @@ class Symbols:
             else:
                 out.append(None)
         return out
+
+
+def dim_text(e) -> str:
+    """A dim in the dim_param syntax of ``qtvm.dims`` (``past + seq``, ``seq * 2``);
+    anything else in TVM's own notation."""
+    if isinstance(e, (bool, int)):
+        return str(int(e))
+    if isinstance(e, tirx.IntImm):
+        return str(e.value)
+    if isinstance(e, tirx.Var):
+        return e.name
+    binary = {tirx.Add: " + ", tirx.Sub: " - ", tirx.Mul: " * ", tirx.FloorDiv: " // "}
+    for kind, sep in binary.items():
+        if isinstance(e, kind):
+            a, b = dim_text(e.a), dim_text(e.b)
+            if kind is not tirx.Add:  # operands of lower precedence get parentheses
+                low = (tirx.Add, tirx.Sub) if kind is not tirx.Sub else ()
+                a = f"({a})" if isinstance(e.a, low) else a
+                b = f"({b})" if isinstance(e.b, (tirx.Add, tirx.Sub, *((tirx.Mul, tirx.FloorDiv)
+                                                                       if kind is tirx.FloorDiv else ()))) else b
+            return a + sep + b
+    if isinstance(e, (tirx.Min, tirx.Max)):
+        return f"{type(e).__name__.lower()}({dim_text(e.a)}, {dim_text(e.b)})"
+    return str(e)
 
 
 def _polynomial(e) -> dict:
