@@ -462,7 +462,9 @@ class Folder:
     def _Div(self, attrs, inputs, shape_of):
         a = self._need(inputs, 0)[0]
         if _int_of(a.dtype):  # ONNX integer Div truncates toward zero (as C does)
-            return self._binary(inputs, lambda x, y: np.trunc(x / y).astype(a.dtype), tirx.truncdiv)
+            def trunc_div(x, y):
+                return (np.abs(x) // np.abs(y)) * np.sign(x) * np.sign(y)
+            return self._binary(inputs, trunc_div, tirx.truncdiv)
         return self._binary(inputs, np.divide, None)
 
     def _Mod(self, attrs, inputs, shape_of):

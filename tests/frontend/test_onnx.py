@@ -83,3 +83,16 @@ def test_tied_lm_head_counted_once(tmp_path):
     got = runtime.load(result.path).run({"ids": ids})["logits"]
     want = ort.InferenceSession(deq.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_control_flow_graph_still_imports():
+    """A graph with If goes through TVM's own importer (its branches), as before."""
+    from onnx import TensorProto, helper
+
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n"])  # noqa: E731
+    then = helper.make_graph([helper.make_node("Relu", ["x"], ["t"])], "then", [], [out("t")])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [out("e")])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+                              [helper.make_tensor_value_info("c", TensorProto.BOOL, []), out("x")], [out("y")])
+    mod = import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10))
+    assert [p.name for p in mod["main"].params] == ["c", "x"]
