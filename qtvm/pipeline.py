@@ -82,7 +82,11 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "dim_limits": facts["dim_limits"],
         "may_be_zero": facts["may_be_zero"],
     }
-    if fmt is not None:
+    if fmt is None:  # float weights: a scheduled GEMM instead of TVM's default loops
+        from relay_passes.dense_weights import dense_weights
+
+        mod, meta["dense_matmuls"] = dense_weights(mod, target)
+    else:
         mod, report = quantize_weights(mod, fmt, target, activations)
         meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
                     float_weight_bytes=report.float_bytes)
