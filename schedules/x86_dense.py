@@ -4,7 +4,7 @@ TVM's default loops for ``x @ W`` are one scalar multiply-add per weight and row
 is the register-tiled GEMM of ``schedules/x86_gemm.py`` without its dequantization stage
 (the weight is read straight from its column blocks):
 
-    parallel over column slices of n_r columns (inside one column block)
+    (parallel) over column slices of n_r columns (inside one column block)
       C[M_pad, n_r] = 0
       for each K chunk of kc rows:                 (the [kc, n_r] weight slice stays in L1)
         for each tile of m_r rows:                 (x rows padded to m_r)
@@ -13,7 +13,8 @@ is the register-tiled GEMM of ``schedules/x86_gemm.py`` without its dequantizati
       y[:M, slice] = C
 
 Tiles are x86_gemm's (``gemm_tiles``: m_r x n_r accumulators in three quarters of the
-vector registers, the chunk within half of L1). One schedule serves every M: at M = 1
+vector registers, the chunk within half of L1); small weights run on one core
+(``PARALLEL_MIN_WEIGHTS``). One schedule serves every M: at M = 1
 the row tile is mostly padding, but a GEMV is bound by streaming the weight, which
 happens once either way. Returns None for any other kernel and for non-LLVM targets.
 """
@@ -26,7 +27,14 @@ from qtvm import ops
 from qtvm.ops_dense import BLOCK_W, BLOCK_XPAD, KERNEL_NAME
 from schedules.x86_gemm import gemm_tiles
 
-__all__ = ["schedule_dense_x86"]
+__all__ = ["schedule_dense_x86", "PARALLEL_MIN_WEIGHTS"]
+
+#: Weights (K x N) from which the column slices run in parallel. A parallel launch costs a
+#: few microseconds, and many when the cores are shared (a worker descheduled by another
+#: process stalls the whole region: at hidden 64 a parallel kernel measured 7x slower
+#: than a serial one on a loaded 2-core machine); below ~1 MB of weights one core finishes
+#: the matmul in tens of microseconds.
+PARALLEL_MIN_WEIGHTS = 1 << 18
 
 
 def schedule_dense_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
@@ -57,7 +65,9 @@ def schedule_dense_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_
     jo, jm, ji = sch.split(j, [None, nb // tiles.cols, tiles.cols])
     sch.reorder(jo, jm, ko, io, ii, ji)
     slice_loop = sch.fuse(jo, jm)
-    sch.parallel(slice_loop)  # before any decompose_reduction
+    parallel = int(desc["k"]) * int(desc["n"]) >= PARALLEL_MIN_WEIGHTS
+    if parallel:
+        sch.parallel(slice_loop)  # before any decompose_reduction
 
     sch.compute_at(reg, io)
     sch.set_scope(reg, 0, "local")
@@ -76,5 +86,6 @@ def schedule_dense_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_
     sch.vectorize(sch.get_loops(c_init)[-1])
 
     rows_loop, _ = sch.get_loops(x_pad)
-    sch.parallel(rows_loop)
+    if parallel:
+        sch.parallel(rows_loop)
     return sch

@@ -144,20 +144,20 @@ def range_(imp, node, attrs):
     return imp.ensure_shape(value, [count])
 
 
-def _clamp(imp, v, d, lo_adjust: int = 0):
-    """ONNX Slice bound ``v`` on a dim of size ``d``: negative counts from the end, then
-    clamped to [lo_adjust, d + lo_adjust] (lo_adjust -1 for ends of negative steps)."""
+def _clamp(imp, v, d):
+    """ONNX Slice bound ``v`` (positive step) on a dim of size ``d``: negative counts from
+    the end, then clamped to [0, d]; exporters' INT64_MAX means the end."""
     if isinstance(v, int):
         if v >= BIG:
-            return imp.sym.norm(d + lo_adjust) if lo_adjust else d
+            return d
         if v <= -BIG:
-            return lo_adjust
+            return 0
         if v < 0:
             v = imp.sym.norm(imp.sym.expr(d) + v) if is_symbolic(d) else d + v
-    e = imp.sym.expr
     if not is_symbolic(v) and not is_symbolic(d):
-        return max(min(v, d + lo_adjust), lo_adjust)
-    return imp.sym.norm(tirx.max(tirx.min(e(v), e(d) + lo_adjust), e(lo_adjust)))
+        return max(min(v, d), 0)
+    e = imp.sym.expr
+    return imp.sym.norm(tirx.max(tirx.min(e(v), e(d)), e(0)))
 
 
 @converter("Slice")
@@ -181,15 +181,15 @@ def slice_(imp, node, attrs):
     begins, stops, table_axes = [], [], []
     for a, s, t, k in zip(axes, starts, ends, steps):
         b, f = _clamp(imp, s, dims[a]), _clamp(imp, t, dims[a])
-        if isinstance(t, tirx.Var) and isinstance(dims[a], int) and isinstance(b, int) and k == 1:
-            # x[b:seq] of a fixed-size table (position ids, token types): the model only
+        if isinstance(t, tirx.Var) and isinstance(dims[a], int) and b == 0 and k == 1:
+            # x[:seq] of a fixed-size table (position ids, token types): the model only
             # works for seq <= the table's length. Assume it (the metadata carries the
-            # limit, the runtime enforces it), so the length is seq - b, and read the rows
+            # limit, the runtime enforces it), so the length is seq, and read the rows
             # with clipped indices so that a caller bypassing the runtime stays in bounds.
             if not imp.sym.prove(tirx.LE(t, e(dims[a]))):
                 imp.sym.limit(t, dims[a])
-            table_axes.append((a, b, t))
-            out[a] = imp.sym.norm(e(t) - b)
+            table_axes.append((a, t))
+            out[a] = t
             continue
         out[a] = imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
         begins.append((a, e(b), e(f), e(k)))
@@ -198,8 +198,8 @@ def slice_(imp, node, attrs):
         value = imp.emit(relax.op.strided_slice(value, [a for a, *_ in begins], [b for _, b, _, _ in begins],
                                                 [f for _, _, f, _ in begins], [k for *_, k in begins],
                                                 assume_inbound=True))
-    for a, b, t in table_axes:
-        index = imp.emit(relax.op.arange(e(b), e(t), e(1), "int64"))
+    for a, t in table_axes:
+        index = imp.emit(relax.op.arange(e(0), e(t), e(1), "int64"))
         value = imp.emit(relax.op.take(value, index, axis=a, mode="clip"))
     return imp.ensure_shape(value, out)
 

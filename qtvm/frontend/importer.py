@@ -6,7 +6,7 @@ the ops in ``qtvm.frontend.converters.CONVERTERS``. Before a node is converted, 
 folder (``qtvm.frontend.shapes``) tries to evaluate it on known values: if it can,
 the node is folded away (no Relax binding at all) and its outputs are known values,
 which later nodes read as shapes, axes, starts, limits, or, where a data op needs
-them as a tensor, as a constant or a ``shape_to_tensor`` of their expressions.
+them as a tensor, as a constant or a tensor computed from the symbols at run time.
 Anything that goes wrong becomes a ``QtvmError`` naming the node and the shapes
 of its inputs.
 """

@@ -37,7 +37,8 @@ def build(family: str):
     elif family == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **small))
     elif family == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256))
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                 bos_token_id=0, eos_token_id=0))
     elif family == "bert":
         model = tf.BertModel(tf.BertConfig(**small))
     elif family == "minilm":

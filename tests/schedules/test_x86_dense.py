@@ -25,7 +25,7 @@ TARGETS = {
     "host": resolve_host_target({"kind": "llvm"}),
 }
 RUNNABLE = [name for name, target in TARGETS.items() if host_supports(cpu_facts(target))]
-SHAPES = [(64, 64), (100, 37), (1000, 100), (256, 704)]
+SHAPES = [(64, 64), (100, 37), (1000, 100), (256, 704), (600, 500)]  # the last one parallel
 MS = (1, 3, 64, 67)
 
 
@@ -84,3 +84,12 @@ def test_declines_other_kernels_and_targets():
     a = te.placeholder((4, 4), "float32", name="a")
     plain = te.create_prim_func([a, te.compute((4, 4), lambda i, j: a[i, j] * 2.0, name="b")])
     assert schedule_dense_x86(plain, TARGETS["znver3"]) is None
+
+
+def test_small_weights_run_on_one_core():
+    from schedules.x86_dense import PARALLEL_MIN_WEIGHTS
+
+    small = schedule_dense_x86(dense_func(64, 64, NB), TARGETS["znver3"]).mod.script()
+    big = schedule_dense_x86(dense_func(512, 512, NB), TARGETS["znver3"]).mod.script()
+    assert 512 * 512 >= PARALLEL_MIN_WEIGHTS > 64 * 64
+    assert "T.parallel" not in small and "T.parallel" in big
