@@ -44,10 +44,10 @@ class ImportFailure(Exception):
 class Importer(ONNXGraphImporter):
     """TVM's importer state (``bb``, ``_nodes``, ``_convert_operator``) with qtvm's node loop."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, positive: bool = False):
         super().__init__({}, "float32", keep_params_in_input=False, sanitize=False)
         self.model = model
-        self.sym = Symbols()
+        self.sym = Symbols(minimum=1 if positive else 0)
         self.folder = Folder(self.sym)
         self.known: dict[str, Known] = {}
         self._value_funcs: dict[tuple, tvm.ir.GlobalVar] = {}
@@ -144,7 +144,7 @@ class Importer(ONNXGraphImporter):
         output empty (logits stay [batch, seq, vocab]). batch and seq do not qualify, nor
         does a length that only indexes (a mask over an unnamed total length)."""
         outs = [self.dims(o.name) for o in graph.output]
-        if any(d is None for d in outs):
+        if any(d is None for d in outs) or self.sym.minimum > 0:
             return []
         from tvm.sym import Analyzer
 
@@ -315,9 +315,16 @@ def _identifier(name: str) -> str:
 
 
 def import_model(model: onnx.ModelProto) -> tvm.IRModule:
+    """Symbols are first only known to be >= 0, so that a KV past length may be 0. Where
+    that leaves dims unrelated (``x[:, :1]`` of a [batch, seq] tensor has length
+    ``min(1, seq)``, which only seq >= 1 makes 1), the import is redone with every symbol
+    >= 1, and the artefact then refuses zero-sized inputs altogether (no ``may_be_zero``)."""
     if any(n.op_type in CONTROL_FLOW for n in model.graph.node):
         return _tvm_import(model)
-    return Importer(model).run()
+    try:
+        return Importer(model).run()
+    except QtvmError:
+        return Importer(model, positive=True).run()
 
 
 def _tvm_import(model: onnx.ModelProto) -> tvm.IRModule:

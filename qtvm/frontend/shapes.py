@@ -36,10 +36,11 @@ def is_symbolic(x) -> bool:
 
 
 class Symbols:
-    """The graph's dimension symbols (int64 TIR vars, each >= 0) and the analyzer that
-    simplifies and compares expressions over them."""
+    """The graph's dimension symbols (int64 TIR vars, each >= ``minimum``) and the analyzer
+    that simplifies and compares expressions over them."""
 
-    def __init__(self):
+    def __init__(self, minimum: int = 0):
+        self.minimum = minimum
         self.vars: dict[str, tirx.Var] = {}
         self.limits: dict[str, int] = {}  # symbol -> largest value the model accepts
         self.analyzer = Analyzer()
@@ -49,12 +50,12 @@ class Symbols:
         artefact's metadata carries it so the runtime refuses larger inputs."""
         current = self.limits.get(var.name, bound)
         self.limits[var.name] = min(current, bound)
-        self.analyzer.update(var, ConstIntBound(0, self.limits[var.name]), override=True)
+        self.analyzer.update(var, ConstIntBound(self.minimum, self.limits[var.name]), override=True)
 
     def var(self, name: str) -> tirx.Var:
         if name not in self.vars:
             v = tirx.Var(name, "int64")
-            self.analyzer.update(v, ConstIntBound(0, ConstIntBound.POS_INF))
+            self.analyzer.update(v, ConstIntBound(self.minimum, ConstIntBound.POS_INF))
             self.vars[name] = v
         return self.vars[name]
 

@@ -19,7 +19,7 @@ def hf_model(hf_dir):
     """hf_model(family, exporter, kv=False) -> ONNX path, exported once per session."""
     from tests.frontend.transformers_exports import cached_export
 
-    return lambda family, exporter, kv=False: cached_export(hf_dir, family, exporter, kv)
+    return lambda family, exporter, kv=False, mask=True: cached_export(hf_dir, family, exporter, kv, mask)
 
 
 @pytest.fixture(scope="session")

@@ -74,6 +74,16 @@ def test_int4_matches_onnxruntime_on_dequantized_weights(hf_model, hf_compiled, 
     _compare(result, hf_model(family, exporter), "int4-g128", [(b, s, 0) for b, s in LENGTHS])
 
 
+def test_input_ids_alone(hf_model, tmp_path):
+    """No attention mask: transformers derives positions and checks for packed sequences
+    (diff + cumsum), whose slices have lengths like min(1, seq); the import relates them by
+    taking every dim >= 1 (and the artefact refuses zero sizes)."""
+    path = hf_model("llama", "dynamo", mask=False)
+    result = compile_model(path, tmp_path / "ids.so", "host", "none")
+    assert result.metadata["may_be_zero"] == []
+    _compare(result, path, "none", [(b, s, 0) for b, s in LENGTHS])
+
+
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_kv_cache_export_past_zero_and_more(hf_model, hf_compiled, exporter):
     """past_key_values inputs with a symbolic past length: past 0 (the first step of a

@@ -96,3 +96,13 @@ def test_slice_and_split_of_known(sym):
     assert tail.ints() == [4, 16]
     a, b = fold.fold("Split", {"axis": 0}, [shape, _known([1, 3])], None)
     assert a.ints() == [2] and b.ints() == [seq, 4, 16]
+
+
+def test_positive_symbols_relate_more():
+    """min(1, seq) (x[:, :1] of a [batch, seq] tensor) is 1 only if seq >= 1."""
+    from tvm import tirx
+
+    for minimum, expected in ((0, False), (1, True)):
+        sym = Symbols(minimum=minimum)
+        seq = sym.var("seq")
+        assert sym.equal(tirx.min(sym.expr(1), seq), 1) is expected

@@ -54,7 +54,7 @@ def is_decoder(family: str) -> bool:
     return family in ("llama", "qwen2", "gpt2")
 
 
-def _wrapper(model, family: str, kv: bool, layers: int):
+def _wrapper(model, family: str, kv: bool, layers: int, mask: bool = True):
     import torch
     import transformers as tf
 
@@ -63,7 +63,7 @@ def _wrapper(model, family: str, kv: bool, layers: int):
             super().__init__()
             self.m = model
 
-        def forward(self, input_ids, attention_mask):
+        def forward(self, input_ids, attention_mask=None):
             if is_decoder(family):
                 return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -83,7 +83,11 @@ def _wrapper(model, family: str, kv: bool, layers: int):
                 flat += [layer.keys, layer.values]
             return (out.logits, *flat)
 
-    return WithCache() if kv else Plain()
+    class IdsOnly(Plain):
+        def forward(self, input_ids):
+            return super().forward(input_ids)
+
+    return WithCache() if kv else Plain() if mask else IdsOnly()
 
 
 def kv_shape(model) -> tuple[int, int, int]:
@@ -93,8 +97,10 @@ def kv_shape(model) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, cfg.hidden_size // heads
 
 
-def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False) -> pathlib.Path:
-    """Export to ``path`` atomically."""
+def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False, mask: bool = True) -> pathlib.Path:
+    """Export to ``path`` atomically; ``mask=False``: input_ids alone (the model derives
+    positions itself; transformers then checks for packed sequences with ``diff``, which
+    only dynamo exports)."""
     import torch
 
     model = build(family)
@@ -107,7 +113,9 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
         args += [torch.randn(batch, heads, past, dim) for _ in range(2 * layers)]
         names += [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
         outs += [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
-    wrapper = _wrapper(model, family, kv, kv_shape(model)[0] if kv else 0)
+    if not mask:
+        names, args = names[:1], args[:1]
+    wrapper = _wrapper(model, family, kv, kv_shape(model)[0] if kv else 0, mask)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -126,6 +134,7 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
                 dim = torch.export.Dim
                 b, s, p = dim("batch"), dim("seq"), dim("past")
                 shapes = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: dim.AUTO if kv else s}}
+                shapes = {k: v for k, v in shapes.items() if k in names}
                 if kv:
                     shapes["past"] = tuple({0: b, 2: p} for _ in args[2:])
                 program = torch.onnx.export(wrapper, tuple(args), dynamo=True, input_names=names, output_names=outs,
@@ -138,15 +147,16 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
     return path
 
 
-def cached_export(directory: str | os.PathLike, family: str, exporter: str, kv: bool = False) -> pathlib.Path:
+def cached_export(directory: str | os.PathLike, family: str, exporter: str, kv: bool = False,
+                  mask: bool = True) -> pathlib.Path:
     """The export in ``directory``, made on first use; the name carries the torch and
     transformers versions, so a persistent directory never serves a stale export."""
     import torch
     import transformers
 
     key = hashlib.sha256(f"{torch.__version__} {transformers.__version__} v1".encode()).hexdigest()[:10]
-    path = pathlib.Path(directory) / f"hf_{family}_{exporter}{'_kv' if kv else ''}_{key}.onnx"
-    return path if path.exists() else export(family, exporter, path, kv)
+    path = pathlib.Path(directory) / f"hf_{family}_{exporter}{'_kv' if kv else ''}{'' if mask else '_ids'}_{key}.onnx"
+    return path if path.exists() else export(family, exporter, path, kv, mask)
 
 
 def feeds(inputs: list[dict], batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
