@@ -17,10 +17,11 @@ EXIT_INTERNAL = 3
 
 def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
+    from qtvm.quiet import tvm_output_captured
 
     from qtvm.progress import stages
 
-    with stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
+    with tvm_output_captured(), stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
                                args.gptq_format, host=args.host, cross_cc=args.cross_cc, progress=step)
     meta = result.metadata

@@ -14,6 +14,7 @@ from tvm import relax
 
 from qtvm.errors import QtvmError
 from qtvm.formats import get_format
+from qtvm.frontend.importer import import_facts
 from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
 from qtvm.target import cpu_flags_required, parse_target, with_host
 
@@ -74,7 +75,9 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     summary = summarize(model)
     lowered = lower_quantized(model, GptqCheckpoint(gptq, gptq_format) if gptq is not None else None)
     summary.float_matmuls = [n for n in summary.float_matmuls if n not in lowered.matmul_nodes]
-    mod = safe_gather(import_onnx(lowered.model))
+    mod = import_onnx(lowered.model)
+    facts = import_facts(mod)
+    mod = safe_gather(mod)
     notes = list(lowered.notes)
     meta = {
         "format": quant,
@@ -82,8 +85,17 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
         "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
-        "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.outputs],
+        # Output dims as the import derived them from the input symbols (the legacy exporter
+        # names them MatMullogits_dim_0 and the like).
+        "outputs": [{"name": n, "dtype": d, "shape": derived if derived is not None else s}
+                    for (n, d, s), derived in zip(summary.outputs, facts["output_dims"])],
+        "dim_limits": facts["dim_limits"],
+        "may_be_zero": facts["may_be_zero"],
     }
+    if fmt is None:  # float weights: a scheduled GEMM instead of TVM's default loops
+        from relay_passes.dense_weights import dense_weights
+
+        mod, meta["dense_matmuls"] = dense_weights(mod, target)
     if fmt is not None or lowered.weights:
         mod, report, prequantized = lower_prequantized(mod, lowered.weights, fmt, target, activations)
         meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,

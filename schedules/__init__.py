@@ -8,7 +8,7 @@ from __future__ import annotations
 import tvm
 
 from qtvm.errors import QtvmError
-from schedules import x86, x86_gemm, x86_lut
+from schedules import x86, x86_dense, x86_gemm, x86_lut
 
 RULES = [
     x86.schedule_qmatmul_x86,
@@ -17,6 +17,7 @@ RULES = [
     x86.schedule_quantize_activations_x86,
     x86_gemm.schedule_qmatmul_gemm_x86,
     x86_lut.schedule_lut_gemv_x86,
+    x86_dense.schedule_dense_x86,
 ]
 
 

@@ -223,4 +223,21 @@ def test_gptq_mismatch_through_the_cli(gptq_files):
                        "lacks w1.scales")
     assert_clean_error(qtvm("compile", tmp / "mlp.onnx", "--gptq", tmp / "none.safetensors", "-o", out),
                        "does not exist")
+
+
+def test_unrelated_symbolic_dims_one_line_nothing_of_tvm(tmp_path):
+    """An import failure: exit 2, qtvm's own sentence naming the node, tensors and dims;
+    nothing of TVM's (no 'BlockBuilder destroyed' warning, no 'Error converting operator')."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "m"], ["y"], name="add_mask")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"]),
+                                           helper.make_tensor_value_info("m", TensorProto.FLOAT, ["batch", "total"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(model))
+    out = tmp_path / "out.so"
+    proc = qtvm("compile", model, "--quant", "none", "-o", out)
+    assert_clean_error(proc, "Add node 'add_mask'", "'r' [batch, seq] (axis -1: seq)",
+                       "'m' [batch, total] (axis -1: total)", "cannot be related")
+    assert proc.stdout == ""
     assert not out.exists()
