@@ -33,10 +33,11 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     return sch
 
 
-def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True):
+def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True, scope: str = "local"):
     """The common skeleton of the x86 rules: parallel over column tiles of the output,
     then per row a register accumulator over the tile, fed group by group.
-    Returns (acc_group_loop, acc_column_loop)."""
+    ``scope`` "global" keeps a small accumulator on the stack (LLVM registers); "local"
+    makes it a TVMBackendAllocWorkspace buffer. Returns (acc_group_loop, acc_column_loop)."""
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     i, j = sch.get_loops(out)
     jo, ji = sch.split(j, [None, tile])
@@ -44,7 +45,8 @@ def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: boo
     if parallel:
         sch.parallel(jo)
     sch.compute_at(acc, i)
-    sch.set_scope(acc, 0, "local")
+    if scope != "global":
+        sch.set_scope(acc, 0, scope)
     if int(desc["padded_k"]) == int(desc["group"]):
         sch.add_unit_loop(acc)  # one group: compute_at dropped the unit group loop
     acc_j, acc_g = sch.get_loops(acc)[-2:]
@@ -107,6 +109,8 @@ def dot_isa(target: tvm.target.Target) -> str:
             return "avx512vnni"
         if has("avx512bw"):
             return "avx512bw"
+        if has("avxvnni"):
+            return "avxvnni"
         if has("avx2"):
             return "avx2"
     return ""
@@ -120,19 +124,23 @@ def _a8_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target, kind: str):
     return (isa, func.attrs[ops.FORMAT_ATTR], s_tir.Schedule(func)) if isa else None
 
 
-def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols: int, tiled: bool):
-    """The part both int8 rules share: per group (``acc_g``) the group partial over its
-    32-value blocks, per block the int32 dot of ``tile_cols`` columns (x the row tile when
-    ``tiled``); returns the loop to tensorize."""
+def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols: int, tiled: bool,
+                        scope: str = "local", gpart_at=None):
+    """The part both int8 rules share: per group (``acc_g``, or the column-tile loop
+    ``gpart_at`` inside it) the group partial over its 32-value blocks, per block the int32
+    dot of ``tile_cols`` columns (x the row tile when ``tiled``); returns the loop to
+    tensorize. ``scope``: of the dot and group partial (see ``tile_columns_then_groups``)."""
     gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
-    sch.compute_at(gpart, acc_g)
-    sch.set_scope(gpart, 0, "local")
+    sch.compute_at(gpart, acc_g if gpart_at is None else gpart_at)
+    if scope != "global":
+        sch.set_scope(gpart, 0, scope)
     if int(desc["group"]) == ops.ACT_BLOCK:
         sch.add_unit_loop(gpart)
     *gp_rows, gp_j, gp_b = sch.get_loops(gpart)[-3 if tiled else -2:]
     sch.reorder(gp_b, *gp_rows, gp_j)
     sch.compute_at(dot, gp_b)
-    sch.set_scope(dot, 0, "local")
+    if scope != "global":
+        sch.set_scope(dot, 0, scope)
     *dot_rows, dot_j, dot_k = sch.get_loops(dot)[-3 if tiled else -2:]
     vec, lane = sch.split(dot_j, [None, tile_cols])
     sch.reorder(vec, *dot_rows, lane, dot_k)
@@ -146,11 +154,17 @@ def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols:
 
 
 def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *,
-                            streams: int | None = None) -> s_tir.Schedule | None:
-    """int8-activation kernel: the dot of one 32-value block with a column vector is
-    one TensorIntrin (``qtvm.intrin.x86``, accumulator in a register); per block the
-    int32 dot is scaled into the group partial, per group the scale/offset fold it
-    into the output."""
+                            streams: int | None = None, tile_cols: int | None = None,
+                            prefetch: tuple[int, int] | None = None) -> s_tir.Schedule | None:
+    """int8-activation GEMV: the dot of one 32-value block with a 16-column line is one
+    TensorIntrin (``qtvm.intrin.x86``, accumulators in registers); per block the int32
+    dot is scaled into the group partial, per group the scale/offset fold it into the
+    output.  Knobs (None = the analytic choice; ``schedules.tune_a8`` samples them):
+    ``streams`` column blocks per parallel task; ``tile_cols`` columns per pass over a
+    group's rows (a multiple of 16 dividing the task's columns; default all of them: one
+    pass reads whole rows, one contiguous stream, which measured faster from DRAM than
+    narrower register-resident passes even where AVX2 spills); ``prefetch`` (bytes
+    ahead, llvm.prefetch locality) of the step's software prefetch, (0, 0) for none."""
     from qtvm.intrin import x86 as intrin
 
     started = _a8_schedule(func, target, "qmatmul_a8")
@@ -159,11 +173,43 @@ def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
     isa, desc, sch = started
     nb, bits = int(desc["col_block"]), int(desc["bits"])
     streams = A8_STREAMS if streams is None else streams
-    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb * streams)
-    loop = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.ISAS[isa], False)
-    sch.tensorize(loop, intrin.intrin_name(bits, isa))
+    cols = nb * streams
+    tile_cols = cols if tile_cols is None else tile_cols
+    prefetch = a8_prefetch(target) if prefetch is None else prefetch
+    nblk = -(-int(desc["n"]) // nb)
+    if streams < 1 or nblk % streams:
+        raise ValueError(f"streams={streams} must divide the {nblk} column blocks")
+    if tile_cols % intrin.STEP_COLS or cols % tile_cols:
+        raise ValueError(f"tile_cols={tile_cols} must be a multiple of {intrin.STEP_COLS} dividing {cols}")
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, cols, scope="global")
+    tile_loop = None
+    if tile_cols < cols:  # column tiles inside each group: the group's rows stay one contiguous stream
+        tile_loop, acc_j = sch.split(acc_j, [None, tile_cols])
+    loop = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS, False,
+                               scope="global", gpart_at=tile_loop)
+    sch.tensorize(loop, intrin.intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
     return sch
+
+
+def a8_prefetch(target: tvm.target.Target) -> tuple[int, int]:
+    """(bytes ahead, locality) of the weight prefetch: the target's facts (``target_facts``:
+    a measured row of its table, else the default), overridden by tuning."""
+    from schedules.target_facts import cpu_facts
+
+    try:
+        facts = cpu_facts(target)
+    except ValueError:  # an mcpu the table does not know: the default
+        from schedules.target_facts import CpuFacts
+
+        return CpuFacts.prefetch_bytes, CpuFacts.prefetch_locality
+    return facts.prefetch_bytes, facts.prefetch_locality
+
+
+def prefetch_rows(prefetch: tuple[int, int], nb: int) -> tuple[int, int]:
+    """(bytes ahead, locality) -> (rows of the column-blocked array ahead, locality)."""
+    nbytes, locality = (int(v) for v in prefetch)
+    return (0, 0) if nbytes <= 0 else (-(-nbytes // (4 * nb)), locality)
 
 
 def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
