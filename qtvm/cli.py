@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=32, help="measured schedules in all (default 32)")
     t.add_argument("--db", required=True, metavar="DIR", help="tuning database directory (created if missing)")
     t.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`)")
+    t.add_argument("--act", choices=("fp32", "int8"), default="fp32",
+                   help="activations of the kernels to tune, as `qtvm compile --act` (int8: the int8 GEMV and "
+                        "prefill kernels; compile with the same --act to use the database)")
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
     t.set_defaults(fn=_cmd_tune)
 

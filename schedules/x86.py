@@ -129,7 +129,7 @@ def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols:
     """The part both int8 rules share: per group (``acc_g``, or the column-tile loop
     ``gpart_at`` inside it) the group partial over its 32-value blocks, per block the int32
     dot of ``tile_cols`` columns (x the row tile when ``tiled``); returns the loop to
-    tensorize. ``scope``: of the dot and group partial (see ``tile_columns_then_groups``)."""
+    tensorize and the group's block loop. ``scope``: of the dot and group partial (see ``tile_columns_then_groups``)."""
     gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
     sch.compute_at(gpart, acc_g if gpart_at is None else gpart_at)
     if scope != "global":
@@ -150,46 +150,65 @@ def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols:
     sch.vectorize(acc_j)
     sch.decompose_reduction(gpart, gp_b)
     sch.decompose_reduction(acc, acc_g)
-    return dot_rows[0] if tiled else lane
+    return (dot_rows[0] if tiled else lane), gp_b
 
 
-def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *,
-                            streams: int | None = None, tile_cols: int | None = None,
-                            prefetch: tuple[int, int] | None = None) -> s_tir.Schedule | None:
+def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, **knobs) -> s_tir.Schedule | None:
     """int8-activation GEMV: the dot of one 32-value block with a 16-column line is one
     TensorIntrin (``qtvm.intrin.x86``, accumulators in registers); per block the int32
     dot is scaled into the group partial, per group the scale/offset fold it into the
-    output.  Knobs (None = the analytic choice; ``schedules.tune_a8`` samples them):
-    ``streams`` column blocks per parallel task; ``tile_cols`` columns per pass over a
-    group's rows (a multiple of 16 dividing the task's columns; default all of them: one
-    pass reads whole rows, one contiguous stream, which measured faster from DRAM than
-    narrower register-resident passes even where AVX2 spills); ``prefetch`` (bytes
-    ahead, llvm.prefetch locality) of the step's software prefetch, (0, 0) for none."""
-    from qtvm.intrin import x86 as intrin
-
+    output.  ``knobs``: see ``apply_qmatmul_a8_x86`` (none: the analytic schedule)."""
     started = _a8_schedule(func, target, "qmatmul_a8")
     if started is None:
         return None
-    isa, desc, sch = started
+    sch = started[2]
+    apply_qmatmul_a8_x86(sch, target, **knobs)
+    return sch
+
+
+# -- tuning hook (schedules/tune_a8.py) ---------------------------------------------------
+# Knobs (None / 0 = the analytic choice); ``tile_cols`` and ``unroll`` may be ExprRVs that
+# MetaSchedule samples, the others change the loop nest or the TensorIntrin and are ints:
+#   streams:   column blocks per parallel task (divides the blocks)
+#   tile_cols: columns per pass over a group's rows (a multiple of 16 dividing the task's
+#              columns); default all of them: one pass reads whole rows, one contiguous
+#              stream, which measured faster from DRAM than narrower register-resident
+#              passes, even where AVX2 spills
+#   prefetch:  (bytes ahead, llvm.prefetch locality) of each step's prefetch, (0, 0) none
+#   unroll:    pragma_auto_unroll_max_step of each group's block loop (0: a loop)
+def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, streams: int | None = None,
+                         tile_cols=None, prefetch: tuple[int, int] | None = None, unroll=0) -> None:
+    from qtvm.intrin import x86 as intrin
+
+    func = sch.mod["main"]
+    isa, desc = dot_isa(target), func.attrs[ops.FORMAT_ATTR]
     nb, bits = int(desc["col_block"]), int(desc["bits"])
-    streams = A8_STREAMS if streams is None else streams
+    streams = A8_STREAMS if streams is None else int(streams)
     cols = nb * streams
-    tile_cols = cols if tile_cols is None else tile_cols
     prefetch = a8_prefetch(target) if prefetch is None else prefetch
     nblk = -(-int(desc["n"]) // nb)
     if streams < 1 or nblk % streams:
         raise ValueError(f"streams={streams} must divide the {nblk} column blocks")
-    if tile_cols % intrin.STEP_COLS or cols % tile_cols:
+    if isinstance(tile_cols, int) and (tile_cols % intrin.STEP_COLS or cols % tile_cols):
         raise ValueError(f"tile_cols={tile_cols} must be a multiple of {intrin.STEP_COLS} dividing {cols}")
     acc_g, acc_j = tile_columns_then_groups(sch, desc, cols, scope="global")
     tile_loop = None
-    if tile_cols < cols:  # column tiles inside each group: the group's rows stay one contiguous stream
+    if tile_cols is not None and not (isinstance(tile_cols, int) and tile_cols == cols):
+        # column tiles inside each group: the group's rows stay one contiguous stream
         tile_loop, acc_j = sch.split(acc_j, [None, tile_cols])
-    loop = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS, False,
-                               scope="global", gpart_at=tile_loop)
+    loop, blocks = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS,
+                                       False, scope="global", gpart_at=tile_loop)
     sch.tensorize(loop, intrin.intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
+    _unroll(sch, blocks, unroll)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
-    return sch
+
+
+def _unroll(sch: s_tir.Schedule, loop, steps) -> None:
+    """Ask LLVM-side unrolling of ``loop`` (steps: an int or a sampled ExprRV; int 0 = leave it)."""
+    if isinstance(steps, int) and steps == 0:
+        return
+    sch.annotate(loop, "pragma_auto_unroll_max_step", steps)
+    sch.annotate(loop, "pragma_unroll_explicit", 1)
 
 
 def a8_prefetch(target: tvm.target.Target) -> tuple[int, int]:
@@ -212,16 +231,27 @@ def prefetch_rows(prefetch: tuple[int, int], nb: int) -> tuple[int, int]:
     return (0, 0) if nbytes <= 0 else (-(-nbytes // (4 * nb)), locality)
 
 
-def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, **knobs
+                                 ) -> s_tir.Schedule | None:
     """Prefill with int8 activations: per column block and tile of ``row_tile`` rows, each
     32-weight block is unpacked once and dotted with every row of the tile (one TensorIntrin
-    call); M is symbolic, its tail rows are zero padding that ``y`` never stores."""
+    call); M is symbolic, its tail rows are zero padding that ``y`` never stores.
+    ``knobs``: ``prefetch`` and ``unroll`` as the GEMV's (``apply_qmatmul_a8_gemm_x86``)."""
     from qtvm.intrin import x86 as intrin
 
     started = _a8_schedule(func, target, "qmatmul_a8_gemm")
     if started is None or int(started[1]["row_tile"]) != intrin.ROW_TILE:
         return None
-    isa, desc, sch = started
+    sch = started[2]
+    apply_qmatmul_a8_gemm_x86(sch, target, **knobs)
+    return sch
+
+
+def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
+                              prefetch: tuple[int, int] | None = None, unroll=0) -> None:
+    from qtvm.intrin import x86 as intrin
+
+    isa, desc = dot_isa(target), sch.mod["main"].attrs[ops.FORMAT_ATTR]
     nb, bits, rows = int(desc["col_block"]), int(desc["bits"]), int(desc["row_tile"])
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     i, j = sch.get_loops(out)
@@ -236,9 +266,10 @@ def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Tar
         sch.add_unit_loop(acc)
     acc_r, acc_j, acc_g = sch.get_loops(acc)[-3:]
     sch.reorder(acc_g, acc_r, acc_j)
-    loop = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
-    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa))
-    return sch
+    loop, blocks = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
+    prefetch = a8_prefetch(target) if prefetch is None else prefetch
+    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
+    _unroll(sch, blocks, unroll)
 
 
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:

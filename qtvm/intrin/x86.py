@@ -26,6 +26,8 @@ the array it reads nothing and cannot fault).
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -279,7 +281,7 @@ def _high_in_place(isa: str, bits: int) -> bool:
     return bits == 4 and ISA_DOT[isa] == "vpdpbusd"
 
 
-def _make_tile(bits: int, isa: str, rows: int, vecs: int):
+def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
     """The prefill step: a ``rows`` x (``vecs`` vectors) register tile; each unit of each
     column vector is unpacked once and dotted with every row (QIGen's micro-GEMV tile:
     rows broadcasts + vecs codes + rows * vecs accumulators fit the registers).
@@ -315,7 +317,9 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int):
             T.evaluate(0)  # replaced below
 
     A, W, C = skeleton.params
-    stmts = [tirx.Evaluate(_prefetch(W, t, v * lanes)) for t in range(bits) for v in range(vecs)]
+    lines = [v for v in range(vecs) if v * lanes * 4 % 64 == 0]  # one prefetch per 64-byte line
+    stmts = [] if prefetch == (0, 0) else [tirx.Evaluate(_prefetch(W, t, v * lanes, prefetch))
+                                           for t in range(bits) for v in lines]
     codes = [_unit_codes(bits, W, lanes, v * lanes) for v in range(vecs)]
     sums = {}
     for r in range(rows):
@@ -345,8 +349,14 @@ ROW_TILE = 4
 TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 
 
-def tile_intrin_name(bits: int, isa: str) -> str:
-    return f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}"
+def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:
+    """The prefill tile's name; ``prefetch`` as in ``intrin_name``."""
+    name = f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}"
+    if prefetch is not None and tuple(prefetch) != (PREFETCH_ROWS, PREFETCH_LOCALITY):
+        rows, locality = (int(v) for v in prefetch)
+        name += "_nopf" if rows == 0 else f"_pf{rows}l{locality}"
+        _register(name, lambda: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], (rows, locality)))
+    return name
 
 
 def _register(name: str, make) -> None:
@@ -354,6 +364,18 @@ def _register(name: str, make) -> None:
         s_tir.TensorIntrin.get(name)
     except Exception:  # not registered yet
         s_tir.TensorIntrin.register(name, *make())
+
+
+_VARIANT = re.compile(r"qtvm_(dot|gemm)_u([234])s8_i32x\d+(?:_\dx\d)?_(avx512vnni|avx512bw|avxvnni|avx2)"
+                      r"_(?:nopf|pf(\d+)l(\d))")
+
+
+def register_variants(text: str) -> None:
+    """Register the prefetch variants named in ``text`` (a tuning database's records name
+    the TensorIntrins their traces tensorize with; replaying needs them registered)."""
+    for kind, bits, isa, rows, locality in set(_VARIANT.findall(text)):
+        prefetch = (int(rows), int(locality)) if rows else (0, 0)
+        (intrin_name if kind == "dot" else tile_intrin_name)(int(bits), isa, prefetch)
 
 
 def register_all() -> None:
