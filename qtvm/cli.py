@@ -19,7 +19,7 @@ def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
 
     result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
-                           args.gptq_format)
+                           args.gptq_format, getattr(args, "calib", None))
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="host",
                    help="'host', a classic string such as llvm -mcpu=znver2 (quoted or not), or JSON")
     c.add_argument("--quant", default="int4-g128",
-                   help="weight format preset (see `qtvm formats`) for float weights, or none; weights the model "
-                        "brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
+                   help="weight format preset (see `qtvm formats`) for float weights, or none, or "
+                        "gptq:<uniform preset> (GPTQ on --calib inputs); weights the model brings quantized "
+                        "(MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
     c.add_argument("--act", choices=("fp32", "int8"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), or int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error)")
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None,
                    help="zero-point convention of --gptq: gptq = v1 (AutoGPTQ: stored zero + 1), gptq_v2 "
                         "(GPTQModel: stored as is); default: the file's checkpoint_format metadata, else gptq")
+    c.add_argument("--calib", metavar="FILE.npz",
+                   help="calibration inputs for --quant gptq:<preset> (e.g. gptq:int4-g128: GPTQ on each layer's "
+                        "activations from one run of the float model): a .npz with one array per model input, or "
+                        "a .npy for a one-input model")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
     c.set_defaults(fn=_cmd_compile)
 
