@@ -17,6 +17,7 @@ RULES = [
     x86.schedule_quantize_activations_x86,
     x86_gemm.schedule_qmatmul_gemm_x86,
     x86_lut.schedule_lut_gemv_x86,
+    x86_lut.schedule_lut16_gemv_x86,
 ]
 
 
