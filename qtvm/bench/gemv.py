@@ -145,7 +145,9 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
         results += [harness.BenchResult.from_dict(d).with_bandwidth(bw[t]) for d in out["results"]]
     results.sort(key=lambda r: (r.shape, r.threads, r.kernel))
     print()
-    harness.print_table(results, bw)
+    harness.print_table(results, bw, extras=("hot_gbps",))
+    print("hot_gbps: the same call repeated on one copy (weights cache-resident), 10th percentile: the "
+          "kernel's compute ceiling next to the DRAM-cold GB/s")
     if json_path is not None:
         harness.write_json(results, json_path, harness.machine_meta(bw))
         print(f"\nwrote {json_path}")
