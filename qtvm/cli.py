@@ -23,7 +23,7 @@ def _cmd_compile(args) -> int:
 
     with tvm_output_captured(), stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
-                               args.gptq_format, host=args.host, cross_cc=args.cross_cc, progress=step)
+                               args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="host",
                    help="'host', a classic string such as llvm -mcpu=znver2 (quoted or not), or JSON")
     c.add_argument("--quant", default="int4-g128",
-                   help="weight format preset (see `qtvm formats`) for float weights, or none; weights the model "
-                        "brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
+                   help="weight format preset (see `qtvm formats`) for float weights, or none, or "
+                        "gptq:<uniform preset> (GPTQ on --calib inputs); weights the model brings quantized "
+                        "(MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
     c.add_argument("--act", choices=("fp32", "int8"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), or int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error)")
@@ -168,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None,
                    help="zero-point convention of --gptq: gptq = v1 (AutoGPTQ: stored zero + 1), gptq_v2 "
                         "(GPTQModel: stored as is); default: the file's checkpoint_format metadata, else gptq")
+    c.add_argument("--calib", metavar="FILE.npz",
+                   help="calibration inputs for --quant gptq:<preset> (e.g. gptq:int4-g128: GPTQ on each layer's "
+                        "activations from one run of the float model): a .npz with one array per model input, or "
+                        "a .npy for a one-input model")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
     _add_deploy_arguments(c)
     c.set_defaults(fn=_cmd_compile)
@@ -214,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=32, help="measured schedules in all (default 32)")
     t.add_argument("--db", required=True, metavar="DIR", help="tuning database directory (created if missing)")
     t.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`)")
+    t.add_argument("--act", choices=("fp32", "int8"), default="fp32",
+                   help="activations of the kernels to tune, as `qtvm compile --act` (int8: the int8 GEMV and "
+                        "prefill kernels; compile with the same --act to use the database)")
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
     _add_deploy_arguments(t)
     t.add_argument("--rpc", metavar="HOST:PORT", help="measure on the RPC servers registered with this TVM tracker "

@@ -57,28 +57,45 @@ def _metadata_function(meta: dict) -> relax.Function:
 
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                  activations: str = "fp32", db: str | os.PathLike | None = None,
-                 gptq: str | os.PathLike | None = None, gptq_format: str | None = None):
+                 gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
+                 calib: str | os.PathLike | None = None):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
 
     Weights the model brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) or
     that a GPTQ checkpoint (``gptq``) supplies run on packed kernels whatever ``quant`` is;
-    ``quant`` quantizes the remaining float weights ("none": they stay float)."""
+    ``quant`` quantizes the remaining float weights ("none": they stay float);
+    ``quant="gptq:<uniform preset>"`` GPTQ-quantizes them on the calibration inputs in
+    ``calib`` (``qtvm.gptq_compile``)."""
     from qtvm.formats.gptq_checkpoint import GptqCheckpoint
     from qtvm.frontend.quantized import lower_quantized
+    from qtvm.gptq_compile import CalibratedCheckpoint, base_format, is_gptq_preset
     from relay_passes.quantized_onnx import lower_prequantized
     from relay_passes.safe_gather import safe_gather
 
     target = parse_target(target) if isinstance(target, str) else target
-    fmt = None if quant == FLOAT else get_format(quant)
+    gptq_notes = []
+    if is_gptq_preset(quant):
+        fmt = base_format(quant)
+        if calib is None:
+            raise QtvmError(f"--quant {quant} needs calibration inputs", "pass --calib FILE.npz (or .npy)")
+        if gptq is not None:
+            raise QtvmError(f"--quant {quant} and --gptq both supply GPTQ weights", "use one of them")
+        with CalibratedCheckpoint(model_path, quant, calib) as ckpt:
+            gptq, gptq_notes = GptqCheckpoint(ckpt.path), ckpt.notes  # read whole: the file may go
+    else:
+        if calib is not None:
+            raise QtvmError("--calib is only used by --quant gptq:<preset>", "e.g. --quant gptq:int4-g128")
+        fmt = None if quant == FLOAT else get_format(quant)
+        gptq = GptqCheckpoint(gptq, gptq_format) if gptq is not None else None
     model = load_onnx(model_path)
     validate(model, f"'{model_path}'")
     summary = summarize(model)
-    lowered = lower_quantized(model, GptqCheckpoint(gptq, gptq_format) if gptq is not None else None)
+    lowered = lower_quantized(model, gptq)
     summary.float_matmuls = [n for n in summary.float_matmuls if n not in lowered.matmul_nodes]
     mod = import_onnx(lowered.model)
     facts = import_facts(mod)
     mod = safe_gather(mod)
-    notes = list(lowered.notes)
+    notes = gptq_notes + list(lowered.notes)
     meta = {
         "format": quant,
         "activations": activations if fmt is not None or lowered.weights else "fp32",
@@ -139,7 +156,8 @@ def schedule_generic_ops(mod, target: tvm.target.Target):
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                   activations: str = "fp32", db: str | os.PathLike | None = None,
-                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None, *,
+                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
+                  calib: str | os.PathLike | None = None, *,
                   host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
                   progress=None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
@@ -158,7 +176,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     toolchain = toolchain_for(target, cross_cc)
     step = progress or (lambda stage: None)
     step("import + quantize")
-    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format)
+    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib)
     notes = ([host_note] if host_note else []) + notes
     step("schedule + build")
     ex = tvm.compile(schedule_generic_ops(mod, target), target=target)

@@ -147,11 +147,16 @@ class _Rewriter(PyExprMutator):
             weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
             small, large = self._a8_branch(qt, weights, nb, 1), self._a8_branch(qt, weights, nb, ROW_TILE)
         else:
+            from qtvm.lut_gemv import lut16_gemv_func
             from qtvm.ops_gemm import qmatmul_gemm_func
+            from schedules.x86_lut import prefer_lut16
 
             fmt, k, n = qt.fmt, qt.k, qt.n
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
-            gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+            if prefer_lut16(fmt, k, self.target):  # BCQ: table lookups beat dequantizing (schedules/x86_lut.py)
+                gemv = self._kernel("lut16_gemv", fmt, lambda: lut16_gemv_func(fmt, k, n, nb), k, n)
+            else:
+                gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
             gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
             small, large = self._call_branch(gemv, weights, n), self._call_branch(gemm, weights, n)
         return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, small, large), [x2]))

@@ -15,9 +15,11 @@ RULES = [
     x86.schedule_qmatmul_a8_x86,
     x86.schedule_qmatmul_a8_gemm_x86,
     x86.schedule_quantize_activations_x86,
+    x86.schedule_sparse_outliers_x86,
     x86_gemm.schedule_qmatmul_gemm_x86,
     x86_lut.schedule_lut_gemv_x86,
     x86_dense.schedule_dense_x86,
+    x86_lut.schedule_lut16_gemv_x86,
 ]
 
 

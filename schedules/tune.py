@@ -20,14 +20,19 @@ structural choice cannot be a trace decision).  A small mutator re-samples one
 categorical decision.  Each knob value is also written as an annotation
 ``qtvm.knob.<name>`` on the output block, so a scheduled kernel says what it is.
 
+The int8-activation kernels (``qmatmul_a8`` GEMV, ``qmatmul_a8_gemm`` prefill) have
+their own space, ``schedules.tune_a8.A8KnobSpace`` (streams, column tile, prefetch
+distance and level, unroll); ``space_of`` picks by the kernel's ``qtvm.kernel``.
+
 Measurement: MetaSchedule measures static shapes, so each kernel is tuned as a
-copy specialised to M = 1 (decode); the winning trace is replayed on the
-symbolic-M kernel.  The local runner calls the kernel with the *same* arguments
-every time, so a memory-bound GEMV's weights stay in cache and its latencies are
-optimistic: they rank schedules by cache-hot speed, not by how well they stream
-weights from DRAM.  Judge GEMV bandwidth with weights cycled from DRAM (qtvm.bench).
-Candidates are built in this process (``InProcessBuilder``) and timed by
-MetaSchedule's ``LocalRunner`` in its worker process.
+copy specialised to M = 1 (decode; int8 prefill: ``tune_a8.PREFILL_ROWS``); the
+winning trace is replayed on the symbolic-M kernel.  Candidates are built in this
+process (``InProcessBuilder``) and timed by ``schedules.tune_runner.ColdRunner``,
+which rotates the arguments over more than 4x the L3, so a GEMV is ranked by how it
+streams its weights from DRAM (MetaSchedule's ``LocalRunner`` reuses one set of
+arguments: cache-hot, ``make_hot_runner``).  The database directory records the
+machine it was measured on (``qtvm_machine.json``: CPU model and id, ISA, L3, runner);
+tuning another CPU into it is refused.
 
 Database: MetaSchedule's JSON database in ``work_dir`` (``database_workload.json``,
 ``database_tuning_record.json``), keyed on the structural hash of the M = 1
@@ -69,14 +74,15 @@ from tvm.s_tir import meta_schedule as ms
 
 from qtvm import ops
 from qtvm.errors import QtvmError
-from schedules import x86
+from schedules import tune_a8, x86
+from schedules.tune_runner import machine_note, record_machine
 
 KNOB_PREFIX = "qtvm.knob."
 KNOB_NAMES = ("tile_cols", "unroll", "local_partials", "parallel")
 MARGIN = 0.03  # tuned must beat analytic by 3 % (measurement noise on 2 shared cores)
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
 MODEL_ATTR = "model"  # target attribute holding the device a record was measured on
-TUNABLE_KINDS = ("qmatmul",)  # kernels with a design space here
+TUNABLE_KINDS = ("qmatmul", "qmatmul_a8", "qmatmul_a8_gemm")  # kernels with a design space (int8: tune_a8)
 _PROGRESS_PREFIX = "qtvm tune"
 
 
@@ -178,7 +184,10 @@ def unscheduled_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tu
     fmt = _format_of(desc)
     if fmt is None:
         return None, "its format is not a registered preset"
-    compute = ops.qmatmul_func(fmt, int(desc["k"]), int(desc["n"]), int(desc["col_block"]))
+    if kind in tune_a8.KINDS:
+        compute = tune_a8.compute_of(kind, fmt, desc)
+    else:
+        compute = ops.qmatmul_func(fmt, int(desc["k"]), int(desc["n"]), int(desc["col_block"]))
     try:
         analytic = schedule_kernel(compute, target)
     except Exception as e:  # noqa: BLE001 - any failure means "not ours"
@@ -204,8 +213,17 @@ def specialize_rows(func: tvm.tirx.PrimFunc, rows: int = 1) -> tvm.tirx.PrimFunc
 
 
 def workload_of(compute: tvm.tirx.PrimFunc) -> tvm.IRModule:
-    """The database key: the M = 1 compute as MetaSchedule normalises a task's module."""
-    return tvm.IRModule({"main": specialize_rows(compute, 1)})
+    """The database key: the M = 1 compute (prefill kernels: M = tune_a8.PREFILL_ROWS) as
+    MetaSchedule normalises a task's module."""
+    kind = _kind(compute)
+    return tvm.IRModule({"main": specialize_rows(compute, tune_a8.rows_of(kind) if kind in tune_a8.KINDS else 1)})
+
+
+def space_of(compute: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """The design space of a kernel: ``KnobSpace`` (fp32 qmatmul) or ``tune_a8.A8KnobSpace``."""
+    if _kind(compute) in tune_a8.KINDS:
+        return tune_a8.A8KnobSpace.of(compute, target)
+    return KnobSpace.of(compute, target)
 
 
 # ------------------------------------------------------------------- design space
@@ -329,6 +347,8 @@ def trace_knobs(trace) -> dict:
             value = inst.inputs[1]
             value = sampled.get(value) if isinstance(value, tvm.tirx.Var) else int(value)
             knobs[str(inst.attrs[0])[len(KNOB_PREFIX):]] = value
+    if set(knobs) - set(KNOB_NAMES):  # another design space's knobs (tune_a8)
+        return knobs
     return {name: knobs.get(name) for name in KNOB_NAMES} if knobs else {}
 
 
@@ -423,8 +443,16 @@ def make_builder(toolchain=None, shared: bool = False) -> InProcessBuilder:
     return InProcessBuilder(toolchain, shared)
 
 
-def make_runner() -> ms.runner.LocalRunner:
-    """The one runner configuration both analytic and tuned schedules are timed with."""
+def make_runner():
+    """The one runner configuration both analytic and tuned schedules are timed with: the
+    kernels stream weights, so their weights are rotated over more than the L3 (cold)."""
+    from schedules.tune_runner import ColdRunner
+
+    return ColdRunner()
+
+
+def make_hot_runner() -> ms.runner.LocalRunner:
+    """MetaSchedule's local runner (same arguments every call: weights cache-hot)."""
     return ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=_evaluator())
 
 
@@ -571,6 +599,10 @@ def open_database(db_dir: Path, *, create: bool):
                 print(f"[{_PROGRESS_PREFIX}] {db_dir / name}: completed or dropped a torn last line (a killed run)",
                       file=sys.stderr, flush=True)
     paths = [db_dir / name for name in DB_FILES]
+    if paths[1].is_file():  # the records' traces name TensorIntrin variants: register them first
+        from qtvm.intrin.x86 import register_variants
+
+        register_variants(paths[1].read_text())
     return ms.database.JSONDatabase(str(paths[0]), str(paths[1]), allow_missing=create,
                                     module_equality="structural")
 
@@ -643,8 +675,9 @@ def _log_from_tvm(level: int, filename: str, lineno: int, msg: str) -> None:
 
 def _tune_context(mod, target, space, strategy, name: str, rand_state: int) -> ms.TuneContext:
     """``ms.TuneContext(...)`` without its first-use ``import tvm.s_tir.tensor_intrin``,
-    which parses TVM's built-in CUDA/ROCm/Arm intrinsics for about 30 s; this design
-    space tensorizes nothing.  Same FFI constructor and initialisation as the class."""
+    which parses TVM's built-in CUDA/ROCm/Arm intrinsics for about 30 s; qtvm's
+    design spaces tensorize only with qtvm's own intrinsics (registered by qtvm.intrin.x86).
+    Same FFI constructor and initialisation as the class."""
     try:
         ctx = ms.TuneContext.__new__(ms.TuneContext)
         ctx.__init_handle_by_constructor__(ms._ffi_api.TuneContext, mod, target, space, strategy, name,
@@ -678,6 +711,10 @@ def _check_target(target, remote: bool = False) -> tvm.target.Target:
         raise QtvmError(f"this machine cannot run code for {target} ({facts.isa})",
                         "tune on a machine with that ISA (or through --rpc), or choose a target this host runs")
     return target
+
+
+def _machine_line(rec: dict) -> str:
+    return f"measured on '{rec.get('cpu_model')}' [{rec.get('cpu_id')}] ({rec.get('runner')} runner)"
 
 
 def _cores() -> int:
@@ -728,7 +765,7 @@ def _collect(mod: tvm.IRModule, target, notes: list[str]) -> list[_Task]:
         if same is not None:
             same.names.append(gv.name_hint)
             continue
-        tasks.append(_Task([gv.name_hint], compute, wl, KnobSpace.of(compute, target), _desc(compute)))
+        tasks.append(_Task([gv.name_hint], compute, wl, space_of(compute, target), _desc(compute)))
     return tasks
 
 
@@ -745,7 +782,7 @@ def _kernel_row(task: _Task, decision: _Decision | None) -> KernelTuning:
 
 def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, progress: bool = True,
                  seed: int | None = None, rpc=None, cross_cc: str | None = None) -> TuneReport:
-    """Tune every ``qtvm.kernel`` PrimFunc of ``mod`` for ``trials`` measured schedules in
+    """Tune every tunable ``qtvm.kernel`` PrimFunc of ``mod`` for ``trials`` measured schedules in
     all (fewer than the number of kernels is fine: the rest keep the analytic schedule);
     records go to the JSON database in ``work_dir`` as they are measured (created; earlier
     records are kept and seed the search).
@@ -759,12 +796,10 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     its key, several at once, instead of this machine; candidates are linked for the
     target's host triple (``qtvm.deploy.toolchain``, ``cross_cc`` names the compiler).
 
-    Each kernel is tuned as a copy specialised to M = 1 (decode shapes); the winner is
-    replayed on the symbolic kernel by :func:`apply_database`.  Latencies come from
-    MetaSchedule's evaluator, which reuses one set of arguments: weights stay
-    cache-resident, so memory-bound GEMV latencies are optimistic (fine for ranking
-    schedules, not for bandwidth claims).  ``progress`` prints one stderr line per
-    measured batch.
+    Each kernel is tuned as a copy specialised to M = 1 (decode shapes; int8 prefill
+    kernels at ``tune_a8.PREFILL_ROWS``); the winner is replayed on the symbolic kernel by
+    :func:`apply_database`.  Latencies come from ``make_runner()`` (weights cold) locally, from
+    the servers' own evaluator over RPC.  ``progress`` prints one stderr line per measured batch.
     """
     start = time.perf_counter()
     trials = _check_trials(trials)
@@ -801,6 +836,8 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
         if sum(done_before.values()):
             print(f"[{_PROGRESS_PREFIX}] resuming: {sum(done_before.values())} of {trials} trials already in the "
                   f"database, {max(0, remaining)} to measure", file=sys.stderr, flush=True)
+    if rpc is None:  # the CPU this database's timings come from
+        report.notes.append(_machine_line(record_machine(work_dir)))
     builder = make_builder(toolchain, shared=rpc is not None)
     runner = make_rpc_runner(rpc, len(known), say, known) if rpc is not None else make_runner()
     interrupt = _InterruptFlag()
@@ -996,6 +1033,7 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
     kernels = qtvm_kernels(mod)
     if not kernels:
         return mod, notes
+    where = machine_note(db_dir)
     new = mod.clone()
     for gv, func in kernels:
         compute, why = unscheduled_kernel(func, target)
@@ -1006,7 +1044,7 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
             if not db.has_workload(wl_mod):
                 notes.append(f"{gv.name_hint}: not in the tuning database; analytic schedule")
                 continue
-            space = KnobSpace.of(compute, target)
+            space = space_of(compute, target)
             decision = _decide(db, db.commit_workload(wl_mod), space, target)
         except Exception as e:  # noqa: BLE001 - a bad record must not stop a compile
             notes.append(f"warning: {gv.name_hint}: unreadable tuning records ({type(e).__name__}); "
@@ -1029,9 +1067,11 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
                          f"({type(e).__name__}); analytic schedule")
             continue
         new.update_func(gv, tuned)
+        rows = tune_a8.rows_of(_kind(compute)) if _kind(compute) in tune_a8.KINDS else 1
         notes.append(f"{gv.name_hint}: tuned schedule ({decision.analytic_s * 1e6:.1f} -> "
-                     f"{decision.tuned_s * 1e6:.1f} us at M=1; "
-                     + " ".join(f"{k}={v}" for k, v in decision.tuned_knobs.items()) + ")")
+                     f"{decision.tuned_s * 1e6:.1f} us at M={rows}; "
+                     + " ".join(f"{k}={v}" for k, v in decision.tuned_knobs.items()) + ")"
+                     + (f"; {where}" if where else ""))
     return new, notes
 
 
@@ -1064,12 +1104,16 @@ def tune_command(args) -> int:
 
         toolchain_for(target, getattr(args, "cross_cc", None))
         check_tracker(rpc)
-    mod, _meta, _summary, build_notes = build_module(args.model, target, args.quant)
+    mod, _meta, _summary, build_notes = build_module(args.model, target, args.quant, getattr(args, "act", "fp32"))
     report = tune_kernels(mod, target, Path(args.db), args.trials, progress=not getattr(args, "quiet", False),
                           rpc=rpc, cross_cc=getattr(args, "cross_cc", None))
     print(f"tuned {len(report.kernels)} kernel(s) in {report.seconds:.0f} s; database: {report.work_dir}")
     print(f"measured on {report.device}")
-    print("latencies at M = 1 from MetaSchedule's evaluator (cache-hot weights: optimistic for GEMVs)")
+    if rpc is None:
+        print(f"latencies at M = 1 (int8 prefill: M = {tune_a8.PREFILL_ROWS}) with the weights cold (rotated over "
+              "more than the L3)")
+    else:
+        print("latencies at M = 1 from the servers' evaluator (cache-hot weights: optimistic for GEMVs)")
     print(report.table())
     for note in ([host_note] if host_note else []) + build_notes + report.notes:
         print(note)

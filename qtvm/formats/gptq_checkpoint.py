@@ -80,7 +80,8 @@ def unpack_along_rows(words: np.ndarray, bits: int, length: int) -> np.ndarray:
 
 
 # -- writing ---------------------------------------------------------------------------------
-def autogptq_tensors(prefix: str, qt: QuantizedTensor, checkpoint_format: str = "gptq") -> dict[str, np.ndarray]:
+def autogptq_tensors(prefix: str, qt: QuantizedTensor, checkpoint_format: str = "gptq",
+                     scale_dtype=np.float16) -> dict[str, np.ndarray]:
     """The four AutoGPTQ tensors of one qtvm uniform / -qz / act-order tensor."""
     if checkpoint_format not in FORMATS:
         raise QtvmError(f"unknown GPTQ checkpoint format '{checkpoint_format}'", f"use one of {', '.join(FORMATS)}")
@@ -101,9 +102,10 @@ def autogptq_tensors(prefix: str, qt: QuantizedTensor, checkpoint_format: str = 
             raise QtvmError(f"layer '{prefix}' has zero points of 0, which the v1 GPTQ layout cannot store "
                             "(it writes zero - 1)", "write checkpoint_format='gptq_v2'")
         stored -= 1
-    scales = qt.arrays["scales"][:groups].astype(np.float16)
+    scales = qt.arrays["scales"][:groups].astype(scale_dtype)  # float32: qtvm's own exact round trip
     if not np.all(np.isfinite(scales)):
-        raise QtvmError(f"layer '{prefix}' has scales beyond float16's range", "rescale the layer")
+        raise QtvmError(f"layer '{prefix}' has scales beyond {np.dtype(scale_dtype).name}'s range",
+                        "rescale the layer")
     g_idx = qt.arrays.get("g_idx")
     g_idx = (np.arange(k) // gs if g_idx is None else np.asarray(g_idx)).astype(np.int32)
     return {f"{prefix}.qweight": pack_along_rows(codes, bits),
@@ -113,11 +115,12 @@ def autogptq_tensors(prefix: str, qt: QuantizedTensor, checkpoint_format: str = 
 
 
 def write_autogptq(path: str | os.PathLike, layers: dict[str, QuantizedTensor], checkpoint_format: str = "gptq",
-                   extra: dict[str, np.ndarray] | None = None):
-    """Write ``{prefix: tensor}`` (plus float ``extra`` tensors) as one safetensors file, atomically."""
+                   extra: dict[str, np.ndarray] | None = None, scale_dtype=np.float16):
+    """Write ``{prefix: tensor}`` (plus float ``extra`` tensors) as one safetensors file, atomically
+    (``scale_dtype`` float32 keeps the scales exact; float16 is the layout's convention)."""
     tensors = {}
     for prefix, qt in layers.items():
-        tensors.update(autogptq_tensors(prefix, qt, checkpoint_format))
+        tensors.update(autogptq_tensors(prefix, qt, checkpoint_format, scale_dtype))
     tensors.update(extra or {})
     meta = {"format": "pt", "quantizer": "qtvm", "checkpoint_format": checkpoint_format}
     bases = {(qt.fmt.base if isinstance(qt.fmt, ActOrderFormat) else qt.fmt) for qt in layers.values()}

@@ -43,3 +43,22 @@ def test_same_shape_shares_one_kernel():
     assert len(report.layers) == 2
     kernels = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert sorted(kernels) == ["qmatmul_gemm_int4_g32_64x64", "qmatmul_int4_g32_64x64"]
+
+
+@pytest.mark.parametrize("preset", ["bcq3-g32", "bcq2-g64"])
+def test_bcq_gemv_runs_the_lut16_kernel(preset):
+    """BCQ decode matmuls take the 16-entry LUT kernel (schedules.x86_lut.prefer_lut16);
+    prefill keeps the dequantize-once GEMM; both sides match onnxruntime's dequantized model."""
+    model = mlp_model()
+    mod, _ = quantize_weights(import_onnx(model), get_format(preset), TARGET)
+    kinds = {str(f.attrs["qtvm.kernel"]) for _, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and "qtvm.kernel" in f.attrs}
+    assert kinds == {"lut16_gemv", "qmatmul_gemm"}
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    session = ort.InferenceSession(dequantized_model(model, get_format(preset)).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    for rows in (1, 2, 3, 67):
+        x = np.random.default_rng(rows).standard_normal((rows, 100)).astype(np.float32)
+        y, _ = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
+        ref = session.run(None, {"x": x})[0]
+        assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
