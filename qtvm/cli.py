@@ -17,14 +17,26 @@ EXIT_INTERNAL = 3
 
 def _cmd_compile(args) -> int:
     from qtvm.pipeline import compile_model
+    from qtvm.quiet import tvm_output_captured
 
-    result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db)
+    from qtvm.progress import stages
+
+    with tvm_output_captured(), stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
+        result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
+                               args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
     if "quantized_matmuls" in meta:
-        print(f"quantized {meta['quantized_matmuls']} matmuls to {meta['format']} ({meta['activations']} activations): "
-              f"{meta['float_weight_bytes'] / 1e6:.2f} MB fp32 -> {meta['packed_bytes'] / 1e6:.2f} MB packed")
+        sizes = (f"({meta['activations']} activations): {meta['float_weight_bytes'] / 1e6:.2f} MB fp32 -> "
+                 f"{meta['packed_bytes'] / 1e6:.2f} MB packed")
+        pre = meta.get("prequantized_matmuls", 0)
+        if not pre:
+            print(f"quantized {meta['quantized_matmuls']} matmuls to {meta['format']} {sizes}")
+        else:
+            rest = meta["quantized_matmuls"] - pre
+            print(f"packed {meta['quantized_matmuls']} matmuls: {pre} quantized in the model or checkpoint "
+                  f"({meta['prequantized']}), {rest} to {meta['format'] if rest else '-'} {sizes}")
     for note in result.notes:
         print(note)
     return 0
@@ -47,6 +59,9 @@ def _parse_feed(text: str):
 def _cmd_run(args) -> int:
     import numpy as np
 
+    from qtvm.deploy.elf import refuse_foreign
+
+    refuse_foreign(args.artefact)  # before the runtime tries to dlopen another machine's code
     from qtvm import runtime
 
     module = runtime.load(args.artefact)
@@ -76,15 +91,32 @@ def _cmd_formats(args) -> int:
 def _cmd_inspect(args) -> int:
     import json
 
-    from qtvm import runtime
+    from qtvm.describe import read_metadata, summary
 
-    meta = runtime.inspect(args.artefact)
-    print(json.dumps(meta, indent=2))
-    if meta.get("device") == "cuda":
-        print(f"needs an NVIDIA GPU of architecture {meta['required_gpu_arch']} or newer (CUDA)")
-    elif meta.get("device") == "opencl":
-        print("needs an OpenCL device and a TVM runtime built with OpenCL")
+    meta = read_metadata(args.artefact)  # read from the file: another machine's artefacts too
+    print(json.dumps(meta, indent=2) if args.json else summary(meta, args.artefact))
     return 0
+
+
+def _cmd_bundle_runtime(args) -> int:
+    from qtvm.deploy.native import bundle
+    from qtvm.deploy.toolchain import toolchain_for
+    from qtvm.target import parse_target
+
+    out = bundle(toolchain_for(parse_target(args.host), args.cross_cc), args.output)
+    print(f"wrote {out}/qtvm_run, libtvm_runtime.so, libtvm_ffi.so: copy them with the artefact to the device "
+          "and run ./qtvm_run model.so NAME=input.npy -o OUTDIR")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from qtvm.check import check, format_report, parse_shape
+
+    feeds = dict(_parse_feed(t) for t in args.input) if args.input else None
+    bindings = [parse_shape(s) for s in args.shape] or None
+    report = check(args.model, args.artefact, bindings, feeds, args.tol, args.seed)
+    print(format_report(report))
+    return 0 if report.ok else 1
 
 
 def _cmd_tune(args) -> int:
@@ -100,22 +132,50 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _add_deploy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="CPU part of a device target, e.g. --target opencl -device=adreno "
+                                  "--host 'llvm -mtriple=aarch64-linux-gnu' (quoted or not)")
+    p.add_argument("--cross-cc", metavar="CXX", help="C++ compiler that links for the target's -mtriple (default: "
+                                                      "aarch64-linux-gnu-g++; Android: the NDK's clang++ under "
+                                                      "ANDROID_NDK_HOME, or TVM_NDK_CC)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qtvm", description="Quantized-weight compiler on Apache TVM")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="ONNX model -> shared library with packed low-bit matmuls")
     c.add_argument("model", help="ONNX file")
     c.add_argument("--target", default="host",
                    help="'host', a classic string such as llvm -mcpu=znver2 (quoted or not), or JSON")
-    c.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`), or none")
+    c.add_argument("--quant", default="int4-g128",
+                   help="weight format preset (see `qtvm formats`) for float weights, or none, or "
+                        "gptq:<uniform preset> (GPTQ on --calib inputs); weights the model brings quantized "
+                        "(MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
     c.add_argument("--act", choices=("fp32", "int8", "fp16"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error), or "
                         "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk)")
     c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "
                                                  "than the analytic schedule use the tuned schedule")
+    c.add_argument("--gptq", metavar="CKPT.safetensors",
+                   help="GPTQ checkpoint in the AutoGPTQ/GPTQModel layout (P.qweight, P.qzeros, P.scales, P.g_idx) "
+                        "whose layers replace the model's float MatMul/Gemm weights. Layer P maps to the "
+                        "MatMul/Gemm whose weight initializer is named P.weight or P, or whose node is named "
+                        "/P/MatMul with '.' for '/' (torch's exporter: /layers.0/attn/q_proj/MatMul -> "
+                        "layers.0.attn.q_proj); exact names first, then unique dotted suffixes "
+                        "(model.layers.0.q_proj matches layers.0.q_proj). Layers that match nothing, several "
+                        "weights, or a weight of another shape are all named in one error")
+    c.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None,
+                   help="zero-point convention of --gptq: gptq = v1 (AutoGPTQ: stored zero + 1), gptq_v2 "
+                        "(GPTQModel: stored as is); default: the file's checkpoint_format metadata, else gptq")
+    c.add_argument("--calib", metavar="FILE.npz",
+                   help="calibration inputs for --quant gptq:<preset> (e.g. gptq:int4-g128: GPTQ on each layer's "
+                        "activations from one run of the float model): a .npz with one array per model input, or "
+                        "a .npy for a one-input model")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
+    _add_deploy_arguments(c)
     c.set_defaults(fn=_cmd_compile)
 
     r = sub.add_parser("run", help="run an artefact with the thin runtime")
@@ -127,9 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("formats", help="list weight format presets")
     f.set_defaults(fn=_cmd_formats)
 
-    i = sub.add_parser("inspect", help="print an artefact's metadata")
+    i = sub.add_parser("inspect", help="what an artefact needs and holds: target, CPU flags, signature, formats")
     i.add_argument("artefact")
+    i.add_argument("--json", action="store_true", help="the full metadata as JSON")
     i.set_defaults(fn=_cmd_inspect)
+
+    k = sub.add_parser("check", help="run an artefact and onnxruntime on the same inputs and report the "
+                                     "artefact's own error (exit 1 above float rounding)")
+    k.add_argument("model", help="the ONNX file the artefact was compiled from")
+    k.add_argument("artefact")
+    k.add_argument("--shape", action="append", default=[], metavar="DIM=N,...",
+                   help="bind the symbolic dims (repeat for several bindings); default: three bindings "
+                        "with sizes 1, 3, 17")
+    k.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="use these inputs instead of random ones")
+    k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; 5e-2 for --act int8 artefacts)")
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(fn=_cmd_check)
 
     d = sub.add_parser("demo", help="compile and check the bundled tiny LLaMA model (the main job)")
     d.add_argument("--out-dir", default="out")
@@ -146,8 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=32, help="measured schedules in all (default 32)")
     t.add_argument("--db", required=True, metavar="DIR", help="tuning database directory (created if missing)")
     t.add_argument("--quant", default="int4-g128", help="weight format preset (see `qtvm formats`)")
+    t.add_argument("--act", choices=("fp32", "int8"), default="fp32",
+                   help="activations of the kernels to tune, as `qtvm compile --act` (int8: the int8 GEMV and "
+                        "prefill kernels; compile with the same --act to use the database)")
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
+    _add_deploy_arguments(t)
+    t.add_argument("--rpc", metavar="HOST:PORT", help="measure on the RPC servers registered with this TVM tracker "
+                                                       "(python -m tvm.exec.rpc_tracker) instead of this machine")
+    t.add_argument("--device-key", metavar="KEY", help="the tracker key the device's RPC servers registered under")
+    t.add_argument("--rpc-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for a free RPC server before giving up (default 30)")
     t.set_defaults(fn=_cmd_tune)
+
+    b = sub.add_parser("bundle-runtime", help="TVM runtime libraries + qtvm_run (C++ loader) for a device, "
+                                              "to copy next to a cross-built artefact")
+    b.add_argument("--host", required=True, help="the device's CPU target, e.g. 'llvm -mtriple=aarch64-linux-gnu'")
+    b.add_argument("--cross-cc", metavar="CXX", help="cross C++ compiler (default: found from the triple)")
+    b.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (created)")
+    b.set_defaults(fn=_cmd_bundle_runtime)
 
     from qtvm.bench.gemv import add_bench_parser  # argparse only; imports lazily
     from qtvm.bench.prefill import add_prefill_parser  # argparse only; imports lazily
@@ -155,7 +245,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)  # qtvm quantize-report
     add_prefill_parser(add_bench_parser(sub))  # qtvm bench gemv, qtvm bench prefill
+    _add_verbosity(p)
     return p
+
+
+def _version() -> str:
+    import importlib.metadata as md
+
+    def v(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return f"qtvm {v('qtvm')} (apache-tvm {v('apache-tvm')}, apache-tvm-ffi {v('apache-tvm-ffi')})"
+
+
+def _add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-v/--verbose and -q/--quiet on the main parser and every subcommand (before or after it)."""
+    parsers = [parser]
+    while parsers:
+        q = parsers.pop()
+        taken = q._option_string_actions
+        if "-v" not in taken:
+            q.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                           help="more output (-vv: debug)")
+        if "-q" not in taken:
+            names = ["-q"] + (["--quiet"] if "--quiet" not in taken else [])
+            q.add_argument(*names, action="store_true", dest="quiet", default=argparse.SUPPRESS,
+                           help="no progress bars or info messages")
+        for action in q._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,13 +284,19 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = split_cli_target(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    from qtvm.progress import configure
+
+    configure(getattr(args, "verbose", 0) - (1 if getattr(args, "quiet", False) else 0))
     try:
         return args.fn(args)
     except QtvmError as e:
         print(f"qtvm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("qtvm: interrupted", file=sys.stderr)
+    except BrokenPipeError:  # `qtvm ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt as e:
+        print(f"qtvm: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except Exception as e:  # a bug in qtvm: say so in one line unless asked for the trace
         if os.environ.get("QTVM_DEBUG"):

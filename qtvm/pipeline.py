@@ -14,8 +14,9 @@ from tvm import relax
 
 from qtvm.errors import QtvmError
 from qtvm.formats import get_format
+from qtvm.frontend.importer import import_facts
 from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
-from qtvm.target import cpu_flags_required, gpu_required, parse_target
+from qtvm.target import cpu_flags_required, gpu_required, parse_target, with_host
 
 METADATA_FUNC = "qtvm_metadata"
 FLOAT = "none"  # --quant none: compile the float model through the same pipeline
@@ -50,35 +51,75 @@ def check_output_path(out: str | os.PathLike, what: str = "output", example: str
 def _metadata_function(meta: dict) -> relax.Function:
     """The artefact describes itself: a function returning its metadata as bytes."""
     data = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    return relax.Function([], relax.const(data), relax.TensorType([len(data)], "uint8"))
+    func = relax.Function([], relax.const(data), relax.TensorType([len(data)], "uint8"))
+    return func.with_attr("global_symbol", METADATA_FUNC)  # public: GPU pipelines drop private functions
 
 
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
-                 activations: str = "fp32", db: str | os.PathLike | None = None):
-    """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export."""
-    from relay_passes.quantize_weights import quantize_weights
+                 activations: str = "fp32", db: str | os.PathLike | None = None,
+                 gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
+                 calib: str | os.PathLike | None = None):
+    """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
+
+    Weights the model brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) or
+    that a GPTQ checkpoint (``gptq``) supplies run on packed kernels whatever ``quant`` is;
+    ``quant`` quantizes the remaining float weights ("none": they stay float);
+    ``quant="gptq:<uniform preset>"`` GPTQ-quantizes them on the calibration inputs in
+    ``calib`` (``qtvm.gptq_compile``)."""
+    from qtvm.formats.gptq_checkpoint import GptqCheckpoint
+    from qtvm.frontend.quantized import lower_quantized
+    from qtvm.gptq_compile import CalibratedCheckpoint, base_format, is_gptq_preset
+    from relay_passes.quantized_onnx import lower_prequantized
     from relay_passes.safe_gather import safe_gather
 
     target = parse_target(target) if isinstance(target, str) else target
-    fmt = None if quant == FLOAT else get_format(quant)
+    gptq_notes = []
+    if is_gptq_preset(quant):
+        fmt = base_format(quant)
+        if calib is None:
+            raise QtvmError(f"--quant {quant} needs calibration inputs", "pass --calib FILE.npz (or .npy)")
+        if gptq is not None:
+            raise QtvmError(f"--quant {quant} and --gptq both supply GPTQ weights", "use one of them")
+        with CalibratedCheckpoint(model_path, quant, calib) as ckpt:
+            gptq, gptq_notes = GptqCheckpoint(ckpt.path), ckpt.notes  # read whole: the file may go
+    else:
+        if calib is not None:
+            raise QtvmError("--calib is only used by --quant gptq:<preset>", "e.g. --quant gptq:int4-g128")
+        fmt = None if quant == FLOAT else get_format(quant)
+        gptq = GptqCheckpoint(gptq, gptq_format) if gptq is not None else None
     model = load_onnx(model_path)
     validate(model, f"'{model_path}'")
     summary = summarize(model)
-    mod = safe_gather(import_onnx(model))
-    notes = []
+    lowered = lower_quantized(model, gptq)
+    summary.float_matmuls = [n for n in summary.float_matmuls if n not in lowered.matmul_nodes]
+    mod = import_onnx(lowered.model)
+    facts = import_facts(mod)
+    mod = safe_gather(mod)
+    notes = gptq_notes + list(lowered.notes)
     meta = {
         "format": quant,
-        "activations": activations if fmt is not None else "fp32",
+        "activations": activations if fmt is not None or lowered.weights else "fp32",
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
         **gpu_required(target),
         "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
-        "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.outputs],
+        # Output dims as the import derived them from the input symbols (the legacy exporter
+        # names them MatMullogits_dim_0 and the like).
+        "outputs": [{"name": n, "dtype": d, "shape": derived if derived is not None else s}
+                    for (n, d, s), derived in zip(summary.outputs, facts["output_dims"])],
+        "dim_limits": facts["dim_limits"],
+        "may_be_zero": facts["may_be_zero"],
     }
-    if fmt is not None:
-        mod, report = quantize_weights(mod, fmt, target, activations)
+    if fmt is None:  # float weights: a scheduled GEMM instead of TVM's default loops
+        from relay_passes.dense_weights import dense_weights
+
+        mod, meta["dense_matmuls"] = dense_weights(mod, target)
+    if fmt is not None or lowered.weights:
+        mod, report, prequantized = lower_prequantized(mod, lowered.weights, fmt, target, activations)
         meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
-                    float_weight_bytes=report.float_bytes)
+                    float_weight_bytes=report.float_bytes, layers=_layer_table(report.layers))
+        if lowered.weights:
+            meta.update(prequantized_matmuls=prequantized, prequantized=lowered.summary())
         if report.fp32_activation_fallbacks:
             notes.append(f"int8 activations not available for {len(report.fp32_activation_fallbacks)} matmuls "
                          f"({'; '.join(sorted(set(report.fp32_activation_fallbacks)))}): they keep fp32 activations")
@@ -93,6 +134,17 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
                          f"{', ...' if len(summary.float_matmuls) > 4 else ''})")
     mod[METADATA_FUNC] = _metadata_function(meta)
     return mod, meta, summary, notes
+
+
+def _layer_table(layers) -> list[dict]:
+    """Packed matmuls grouped by (format, K, N), for `qtvm inspect`: bits/weight from stored bytes."""
+    rows: dict[tuple, dict] = {}
+    for layer in layers:
+        key = (layer.qt.fmt.name, layer.k, layer.n)
+        row = rows.setdefault(key, {"format": key[0], "k": layer.k, "n": layer.n, "count": 0,
+                                    "bits_per_weight": round(layer.qt.bits_per_weight, 3)})
+        row["count"] += 1
+    return list(rows.values())
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):
@@ -118,19 +170,41 @@ def compile_relax(mod, target: tvm.target.Target):
 
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
-                  activations: str = "fp32", db: str | os.PathLike | None = None) -> CompileResult:
-    """Compile and export atomically: ``out`` is either complete or untouched."""
+                  activations: str = "fp32", db: str | os.PathLike | None = None,
+                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
+                  calib: str | os.PathLike | None = None, *,
+                  host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
+                  progress=None) -> CompileResult:
+    """Compile and export atomically: ``out`` is either complete or untouched.
+
+    ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
+
+    ``host`` is the CPU part of a device target (``--host``); an artefact for another
+    machine (``-mtriple``) is linked by its cross toolchain (``qtvm.deploy.toolchain``,
+    resolved before any work; ``cross_cc`` names one) and checked with readelf."""
+    from qtvm.deploy.toolchain import export_library, toolchain_for, with_default_host
+
     start = time.perf_counter()
     out = check_output_path(out)
-    target = parse_target(target) if isinstance(target, str) else target
-    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db)
+    target = with_host(parse_target(target) if isinstance(target, str) else target, host)
+    target, host_note = with_default_host(target)
+    toolchain = toolchain_for(target, cross_cc)
+    step = progress or (lambda stage: None)
+    step("import + quantize")
+    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib)
+    notes = ([host_note] if host_note else []) + notes
+    step("schedule + build")
     ex = compile_relax(schedule_generic_ops(mod, target), target)
+    step("export")
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:
-        ex.export_library(tmp)
+        export_library(ex, tmp, toolchain)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if toolchain is not None:
+        notes.append(f"cross-built for {toolchain.triple} (linked by {toolchain.cc}; readelf: "
+                     f"{toolchain.elf_machine}, qtvm_metadata present): copy it to the device")
     return CompileResult(out, meta, summary, time.perf_counter() - start, notes)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qtvm import dims as dimexpr
 from qtvm.errors import QtvmError
 from qtvm.hostinfo import host_cpu_flags
 
@@ -97,6 +98,9 @@ class Module:
                     ([f"unknown {', '.join(unknown)}"] if unknown else [])
             raise QtvmError(f"wrong inputs: {'; '.join(parts)}", f"the model takes {', '.join(names)}")
         bound: dict[str, tuple[int, str]] = {}
+        composite = []  # (input, axis, size, dim expression such as 'past + seq')
+        may_be_zero = set(self.metadata.get("may_be_zero", []))
+        limits = self.metadata.get("dim_limits", {})
         arrays = []
         for spec in self.inputs:
             name, a = spec["name"], np.asarray(feeds[spec["name"]])
@@ -111,14 +115,24 @@ class Module:
                 if isinstance(dim, int) and size != dim:
                     raise QtvmError(f"input '{name}' has size {size} on axis {axis}, expected {dim} "
                                     f"(shape {dims})")
-                if isinstance(dim, str) and dim != "?":
-                    if size < 1:
+                if isinstance(dim, str) and dim != "?" and dimexpr.parse(dim) is not None:
+                    composite.append((name, axis, size, dim))
+                elif isinstance(dim, str) and dim != "?":
+                    if size < 1 and not (size == 0 and dim in may_be_zero):
                         raise QtvmError(f"input '{name}' has size {size} on axis {axis} ('{dim}'); sizes must be >= 1")
+                    if dim in limits and size > limits[dim]:
+                        raise QtvmError(f"input '{name}' has {dim} = {size}, but this model takes {dim} <= "
+                                        f"{limits[dim]} (the length of its position tables)",
+                                        f"split the input into pieces of at most {limits[dim]}")
                     first = bound.setdefault(dim, (size, name))
                     if first[0] != size:
                         raise QtvmError(f"dimension '{dim}' is {first[0]} in input '{first[1]}' but {size} in "
                                         f"input '{name}'", "inputs that share a dimension name must agree")
-            arrays.append(np.ascontiguousarray(a))
+            arrays.append(a if a.flags.c_contiguous else a.copy(order="C"))  # keeps 0-d arrays 0-d
+        for name, axis, size, dim in composite:
+            want = dimexpr.evaluate(dim, {k: v[0] for k, v in bound.items()})
+            if want is not None and want != size:
+                raise QtvmError(f"input '{name}' has size {size} on axis {axis}, expected {dim} = {want}")
         return arrays
 
     def _use_device(self):
@@ -138,8 +152,20 @@ class Module:
         arrays = self.check_inputs(feeds)
         self._use_device()
         result = self._main(*[self._tensor(a) for a in arrays])
-        values = list(result) if isinstance(result, (list, tuple)) or hasattr(result, "__len__") and not hasattr(result, "numpy") else [result]
-        return {spec["name"]: v.numpy() for spec, v in zip(self.outputs, values)}
+        values = [result] if len(self.outputs) == 1 else list(result)
+        return {spec["name"]: _to_numpy(v, spec["dtype"]) for spec, v in zip(self.outputs, values)}
+
+
+def _to_numpy(value, dtype: str) -> np.ndarray:
+    """A VM result as numpy: tensors as they are; a shape (ONNX Shape's output, computed
+    from symbolic dims) or a scalar as an array of the output's declared dtype."""
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    import tvm_ffi
+
+    if isinstance(value, tvm_ffi.Shape):
+        return np.array(list(value), dtype=dtype)
+    return np.array(value, dtype=dtype)
 
 
 def load(path: str | os.PathLike) -> Module:

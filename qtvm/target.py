@@ -67,12 +67,15 @@ def parse_target_dict(text: str) -> dict:
                 raise QtvmError(f"target option -{key} needs an integer, got '{value}'") from None
         else:
             out[key] = value
+    if kind == "opencl" and "keys" in out:  # -device=mali: TVM's own keys stay (GPU pipelines read "gpu")
+        out["keys"] += [k for k in ("opencl", "gpu") if k not in out["keys"]]
     return out
 
 
 def _gpu_defaults(spec: dict) -> dict:
-    """A CUDA target gets its arch checked and its limits filled in; GPU targets get an
-    LLVM host (the artefact's host code) unless one is given."""
+    """A CUDA target gets its arch checked and its limits filled in. The host stays as given
+    (none: this machine; ``qtvm.deploy.toolchain.with_default_host`` gives Mali/Adreno an
+    aarch64 host)."""
     if spec["kind"] == "cuda":
         arch = spec.get("arch")
         if arch is None:
@@ -81,8 +84,6 @@ def _gpu_defaults(spec: dict) -> dict:
         if not re.fullmatch(r"sm_\d+a?", str(arch)) or str(arch).rstrip("a") not in CUDA_ARCHS:
             raise QtvmError(f"unsupported CUDA architecture '{arch}'", f"use one of: {', '.join(CUDA_ARCHS)}")
         spec = {**CUDA_DEFAULTS, "l2_cache_size_bytes": CUDA_L2_BYTES[str(arch).rstrip("a")], **spec}
-    if spec["kind"] in ("cuda", "opencl") and "host" not in spec:
-        spec = {**spec, "host": {"kind": "llvm"}}
     return spec
 
 
@@ -98,13 +99,27 @@ def parse_target(text: str) -> tvm.target.Target:
         raise QtvmError(f"invalid target {json.dumps(spec)}: {first}") from None
 
 
+def with_host(target: tvm.target.Target, host: str | tvm.target.Target | None) -> tvm.target.Target:
+    """``target`` with ``host`` (``--host``: an llvm target string) as the CPU part of a device target."""
+    if host is None:
+        return target
+    host = parse_target(host) if isinstance(host, str) else host
+    if host.kind.name != "llvm":
+        raise QtvmError(f"--host must be an llvm (CPU) target, got kind '{host.kind.name}'",
+                        "e.g. --host 'llvm -mtriple=aarch64-linux-gnu'")
+    if target.kind.name == "llvm":
+        raise QtvmError("--host is for device targets (opencl, cuda); an llvm target is its own host",
+                        "put -mtriple=... on --target instead")
+    return tvm.target.Target(target, host=host)
+
+
 def split_cli_target(argv: list[str]) -> list[str]:
-    """Join ``--target llvm -mcpu=x -mattr=y`` (unquoted) into one argument."""
+    """Join ``--target llvm -mcpu=x -mattr=y`` (unquoted; also ``--host``) into one argument."""
     out, i = [], 0
     while i < len(argv):
         word = argv[i]
         out.append(word)
-        if word == "--target" and i + 1 < len(argv):
+        if word in ("--target", "--host") and i + 1 < len(argv):
             parts = [argv[i + 1]]
             i += 2
             while i < len(argv) and argv[i].startswith("-") and not argv[i].startswith("--") and "=" in argv[i]:

@@ -69,19 +69,27 @@ def _constant_weight(expr, lookup) -> np.ndarray | None:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod, fmt: QuantFormat, target: tvm.target.Target, report: QuantizeReport,
-                 activations: str):
+    def __init__(self, mod, fmt: QuantFormat | None, target: tvm.target.Target, report: QuantizeReport,
+                 activations: str, prepacked=None):
         super().__init__(mod)
         self.fmt, self.target, self.report, self.activations = fmt, target, report, activations
         self.facts = target_facts(target)
+        self.prepacked = prepacked
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
         if call.op != MATMUL:
             return call
-        w = _constant_weight(call.args[1], self.lookup_binding)
         x = call.args[0]
+        packed = self.prepacked(call.args[1], self.lookup_binding) if self.prepacked else None
+        if packed is not None:  # a weight the model brought quantized (relay_passes/quantized_onnx.py)
+            qt, perm = packed
+            self.report.layers.append(QuantizedMatmul(qt.k, qt.n, qt, 4 * qt.k * qt.n))
+            if perm is not None:  # act-order: x @ W == x[..., perm] @ W_kernel
+                x = self.builder_.emit(relax.op.take(x, relax.const(perm), axis=-1))
+            return self._emit_qmatmul(x, qt)
+        w = _constant_weight(call.args[1], self.lookup_binding) if self.fmt is not None else None
         if w is None or x.ty.dtype != "float32" or x.ty.ndim < 1:
             self.report.float_matmuls += 1
             return call
@@ -168,6 +176,10 @@ class _Rewriter(PyExprMutator):
                 from qtvm.lut_gemv import lut_gemv_func
 
                 gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
+            elif self.facts.lut16_gemv(fmt, k):  # x86 BCQ: table lookups beat dequantizing (schedules/x86_lut.py)
+                from qtvm.lut_gemv import lut16_gemv_func
+
+                gemv = self._kernel("lut16_gemv", fmt, lambda: lut16_gemv_func(fmt, k, n, nb), k, n)
             else:
                 options = self.facts.gemv_options(fmt, k)
                 gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb, **options), k, n)
@@ -242,24 +254,29 @@ class _Rewriter(PyExprMutator):
 ACTIVATIONS = ("fp32", "int8", "fp16")
 
 
-def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat, target: tvm.target.Target,
-                     activations: str = "fp32") -> tuple[tvm.IRModule, QuantizeReport]:
+def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat | None, target: tvm.target.Target,
+                     activations: str = "fp32", prepacked=None) -> tuple[tvm.IRModule, QuantizeReport]:
     """Rewrite every Relax function of ``mod``; returns the module and what was packed.
 
     ``activations="int8"`` rounds each matmul's input to int8 per 32 values
     (a numerics change the user asks for, like llama.cpp's q8 activations);
     ``"fp16"`` (GPU targets) rounds the decode GEMV's input to fp16 and sums each lane's
     chunk in fp16.
+    ``prepacked(weight_expr, lookup) -> (QuantizedTensor, perm | None) | None`` is asked
+    first for every matmul: weights the model brought already quantized, emitted by
+    the same kernels (``perm``: activation permutation of act-order tensors).
+    ``fmt=None`` leaves float constant weights alone.
     """
     if activations not in ACTIVATIONS:
         from qtvm.errors import QtvmError
 
         raise QtvmError(f"unknown activation mode '{activations}'", f"use one of: {', '.join(ACTIVATIONS)}")
     facts = target_facts(target)
-    facts.check_format(fmt, target.kind.name)
+    if fmt is not None:  # prepacked weights are uniform, which every target builds
+        facts.check_format(fmt, target.kind.name)
     facts.check_activations(activations, target.kind.name)
     report = QuantizeReport()
-    rewriter = _Rewriter(mod, fmt, target, report, activations)
+    rewriter = _Rewriter(mod, fmt, target, report, activations, prepacked)
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))

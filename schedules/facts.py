@@ -36,6 +36,7 @@ class KernelFacts:
     f16_activations(fmt, k): whether the fp16-activation decode kernel exists for it.
     parts_options: keyword arguments for a composite format's ``kernel_parts`` (the GPU
         runs mixed-2-4-16's 2-bit part on its stored second-order scales).
+    lut16_gemv(fmt, k): whether a decode matmul runs the 16-entry LUT kernel (x86 BCQ).
     """
 
     family: str
@@ -50,6 +51,7 @@ class KernelFacts:
     col_pad: int = 1
     f16_activations: Callable = lambda fmt, k: False  # noqa: E731
     parts_options: dict = field(default_factory=dict)
+    lut16_gemv: Callable = lambda fmt, k: False  # noqa: E731
 
     def check_format(self, fmt, target_name: str) -> None:
         """A format family this target has no kernels for is named with the ones it has."""

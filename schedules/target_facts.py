@@ -92,6 +92,12 @@ class CpuFacts:
                       representative part; a target's ``num-cores`` overrides both).
     freq_ghz:         sustained all-core clock used for peak-rate estimates (table:
                       the representative part's base clock).
+    prefetch_bytes:   how far ahead of its loads a weight-streaming kernel prefetches,
+    prefetch_locality: into which cache (llvm.prefetch locality: 3 = L1, 2 = L2), and
+    prefetch_source:  where that pair comes from: "default" (measured on the Intel Xeon
+                      VM the first benchmarks ran on: 6 KiB into L2) or the table row's
+                      measurement, which names its CPU; ``qtvm tune`` finds the pair per
+                      machine (``schedules.tune_a8``).
     mcpu:             the LLVM CPU name these facts describe.
     source:           "host" (read from this machine) or "table".
     """
@@ -109,6 +115,9 @@ class CpuFacts:
     freq_ghz: float = 2.5
     mcpu: str = ""
     source: str = "table"
+    prefetch_bytes: int = 6144
+    prefetch_locality: int = 2
+    prefetch_source: str = "default"
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_RANK:
@@ -166,6 +175,7 @@ class _CpuSpec:
     fma512: int = 1
     valu512: int = 2
     part: str = ""
+    prefetch: tuple = ()  # (bytes ahead, locality, "measured on ...") where measured
 
 
 # Sources: vendor product pages (cores, clocks, cache sizes) and the
@@ -184,7 +194,9 @@ _TABLE: dict[str, _CpuSpec] = {
                        fma256=2, valu256=4, fma512=1, valu512=2,
                        part="EPYC 9654 (512-bit ops double-pumped on 256-bit pipes)"),
     "znver5": _CpuSpec("avx512", 48 * _KIB, 1 * _MIB, 32 * _MIB, 128, 2.7,
-                       fma256=2, valu256=4, fma512=2, valu512=4, part="EPYC 9755 (native 512-bit pipes)"),
+                       fma256=2, valu256=4, fma512=2, valu512=4, part="EPYC 9755 (native 512-bit pipes)",
+                       prefetch=(4096, 3, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int4 GEMV, 4 KiB into L1 "
+                                          "~1.2x faster than 6 KiB into L2")),
     # Intel client
     "haswell": _CpuSpec("avx2", 32 * _KIB, 256 * _KIB, 8 * _MIB, 4, 3.4,
                         fma256=2, valu256=3, part="Core i7-4770"),
@@ -369,6 +381,7 @@ def _host_spec() -> tuple[str, _CpuSpec]:
         fma512=ref.fma512,
         valu512=ref.valu512,
         part=f"host ({name or 'unknown'})",
+        prefetch=ref.prefetch,
     )
     return name, spec
 
@@ -438,6 +451,8 @@ def _facts_from_spec(spec: _CpuSpec, isa: str, mcpu: str, source: str, cores: in
         freq_ghz=spec.freq_ghz,
         mcpu=mcpu,
         source=source,
+        **({"prefetch_bytes": spec.prefetch[0], "prefetch_locality": spec.prefetch[1],
+            "prefetch_source": spec.prefetch[2]} if spec.prefetch else {}),
     )
 
 

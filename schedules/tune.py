@@ -20,14 +20,19 @@ structural choice cannot be a trace decision).  A small mutator re-samples one
 categorical decision.  Each knob value is also written as an annotation
 ``qtvm.knob.<name>`` on the output block, so a scheduled kernel says what it is.
 
+The int8-activation kernels (``qmatmul_a8`` GEMV, ``qmatmul_a8_gemm`` prefill) have
+their own space, ``schedules.tune_a8.A8KnobSpace`` (streams, column tile, prefetch
+distance and level, unroll); ``space_of`` picks by the kernel's ``qtvm.kernel``.
+
 Measurement: MetaSchedule measures static shapes, so each kernel is tuned as a
-copy specialised to M = 1 (decode); the winning trace is replayed on the
-symbolic-M kernel.  The local runner calls the kernel with the *same* arguments
-every time, so a memory-bound GEMV's weights stay in cache and its latencies are
-optimistic: they rank schedules by cache-hot speed, not by how well they stream
-weights from DRAM.  Judge GEMV bandwidth with weights cycled from DRAM (qtvm.bench).
-Candidates are built in this process (``InProcessBuilder``) and timed by
-MetaSchedule's ``LocalRunner`` in its worker process.
+copy specialised to M = 1 (decode; int8 prefill: ``tune_a8.PREFILL_ROWS``); the
+winning trace is replayed on the symbolic-M kernel.  Candidates are built in this
+process (``InProcessBuilder``) and timed by ``schedules.tune_runner.ColdRunner``,
+which rotates the arguments over more than 4x the L3, so a GEMV is ranked by how it
+streams its weights from DRAM (MetaSchedule's ``LocalRunner`` reuses one set of
+arguments: cache-hot, ``make_hot_runner``).  The database directory records the
+machine it was measured on (``qtvm_machine.json``: CPU model and id, ISA, L3, runner);
+tuning another CPU into it is refused.
 
 Database: MetaSchedule's JSON database in ``work_dir`` (``database_workload.json``,
 ``database_tuning_record.json``), keyed on the structural hash of the M = 1
@@ -44,6 +49,7 @@ timed before and after the search, gets at least as many chances as any other.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -52,8 +58,10 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,13 +74,15 @@ from tvm.s_tir import meta_schedule as ms
 
 from qtvm import ops
 from qtvm.errors import QtvmError
-from schedules import x86
+from schedules import tune_a8, x86
+from schedules.tune_runner import machine_note, record_machine
 
 KNOB_PREFIX = "qtvm.knob."
 KNOB_NAMES = ("tile_cols", "unroll", "local_partials", "parallel")
 MARGIN = 0.03  # tuned must beat analytic by 3 % (measurement noise on 2 shared cores)
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
-TUNABLE_KINDS = ("qmatmul",)  # kernels with a design space here
+MODEL_ATTR = "model"  # target attribute holding the device a record was measured on
+TUNABLE_KINDS = ("qmatmul", "qmatmul_a8", "qmatmul_a8_gemm")  # kernels with a design space (int8: tune_a8)
 _PROGRESS_PREFIX = "qtvm tune"
 
 
@@ -106,8 +116,10 @@ class TuneReport:
     kernels: list[KernelTuning] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     work_dir: Path | None = None
+    device: str = ""  # what the measurements ran on (also in every record's target)
     trials: int = 0  # asked for
     measured: int = 0  # tuned candidates measured (fewer when the design space is exhausted)
+    history: list = field(default_factory=list)  # (trials done, {kernel: best latency so far}) per batch
     seconds: float = 0.0
 
     def table(self) -> str:
@@ -172,7 +184,10 @@ def unscheduled_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tu
     fmt = _format_of(desc)
     if fmt is None:
         return None, "its format is not a registered preset"
-    compute = ops.qmatmul_func(fmt, int(desc["k"]), int(desc["n"]), int(desc["col_block"]))
+    if kind in tune_a8.KINDS:
+        compute = tune_a8.compute_of(kind, fmt, desc)
+    else:
+        compute = ops.qmatmul_func(fmt, int(desc["k"]), int(desc["n"]), int(desc["col_block"]))
     try:
         analytic = schedule_kernel(compute, target)
     except Exception as e:  # noqa: BLE001 - any failure means "not ours"
@@ -198,8 +213,17 @@ def specialize_rows(func: tvm.tirx.PrimFunc, rows: int = 1) -> tvm.tirx.PrimFunc
 
 
 def workload_of(compute: tvm.tirx.PrimFunc) -> tvm.IRModule:
-    """The database key: the M = 1 compute as MetaSchedule normalises a task's module."""
-    return tvm.IRModule({"main": specialize_rows(compute, 1)})
+    """The database key: the M = 1 compute (prefill kernels: M = tune_a8.PREFILL_ROWS) as
+    MetaSchedule normalises a task's module."""
+    kind = _kind(compute)
+    return tvm.IRModule({"main": specialize_rows(compute, tune_a8.rows_of(kind) if kind in tune_a8.KINDS else 1)})
+
+
+def space_of(compute: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """The design space of a kernel: ``KnobSpace`` (fp32 qmatmul) or ``tune_a8.A8KnobSpace``."""
+    if _kind(compute) in tune_a8.KINDS:
+        return tune_a8.A8KnobSpace.of(compute, target)
+    return KnobSpace.of(compute, target)
 
 
 # ------------------------------------------------------------------- design space
@@ -323,6 +347,8 @@ def trace_knobs(trace) -> dict:
             value = inst.inputs[1]
             value = sampled.get(value) if isinstance(value, tvm.tirx.Var) else int(value)
             knobs[str(inst.attrs[0])[len(KNOB_PREFIX):]] = value
+    if set(knobs) - set(KNOB_NAMES):  # another design space's knobs (tune_a8)
+        return knobs
     return {name: knobs.get(name) for name in KNOB_NAMES} if knobs else {}
 
 
@@ -387,6 +413,12 @@ class InProcessBuilder(ms.builder.PyBuilder):
     from a fixed, verified design space, so process isolation buys nothing.
     """
 
+    def __init__(self, toolchain=None, shared: bool = False) -> None:
+        """``shared``: link a shared library (an RPC server loads it as is; ``toolchain``
+        links it for the device), instead of the object tarball the local runner links."""
+        super().__init__()
+        self.toolchain, self.shared = toolchain, shared
+
     def build(self, build_inputs):
         from tvm.support.tar import tar
 
@@ -394,21 +426,41 @@ class InProcessBuilder(ms.builder.PyBuilder):
         for item in build_inputs:
             try:
                 rt_mod = tvm.tirx.build(item.mod, target=item.target)
-                path = Path(tempfile.mkdtemp(prefix="qtvm-tune-build-")) / f"kernel.{tar.output_format}"
-                rt_mod.export_library(str(path), fcompile=tar)
+                folder = Path(tempfile.mkdtemp(prefix="qtvm-tune-build-"))
+                if self.shared:
+                    path = folder / "kernel.so"
+                    rt_mod.export_library(str(path), fcompile=self.toolchain.fcompile() if self.toolchain else None)
+                else:
+                    path = folder / f"kernel.{tar.output_format}"
+                    rt_mod.export_library(str(path), fcompile=tar)
                 results.append(ms.builder.BuilderResult(str(path), None))
             except Exception as e:  # noqa: BLE001 - a failed candidate is a result, not a crash
                 results.append(ms.builder.BuilderResult(None, f"{type(e).__name__}: {e}"[:2000]))
         return results
 
 
-def make_builder() -> InProcessBuilder:
-    return InProcessBuilder()
+def make_builder(toolchain=None, shared: bool = False) -> InProcessBuilder:
+    return InProcessBuilder(toolchain, shared)
 
 
-def make_runner() -> ms.runner.LocalRunner:
-    """The one runner configuration both analytic and tuned schedules are timed with."""
+def make_runner():
+    """The one runner configuration both analytic and tuned schedules are timed with: the
+    kernels stream weights, so their weights are rotated over more than the L3 (cold)."""
+    from schedules.tune_runner import ColdRunner
+
+    return ColdRunner()
+
+
+def make_hot_runner() -> ms.runner.LocalRunner:
+    """MetaSchedule's local runner (same arguments every call: weights cache-hot)."""
     return ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=_evaluator())
+
+
+def make_rpc_runner(tracker, workers: int, log=None, known=None):
+    """The same evaluator as the local runner, on the tracker's servers (schedules.rpc)."""
+    from schedules.rpc import TrackerRunner
+
+    return TrackerRunner(tracker, _evaluator(), workers, log=log, known=known)
 
 
 def measure(schedules: list[s_tir.Schedule], target, builder, runner, rounds: int = 1) -> list[list[float] | None]:
@@ -419,7 +471,7 @@ def measure(schedules: list[s_tir.Schedule], target, builder, runner, rounds: in
     try:
         for _ in range(rounds):
             todo = [(i, b) for i, b in enumerate(built) if results[i] is not None]
-            futures = runner.run([ms.runner.RunnerInput(b.artifact_path, "cpu",
+            futures = runner.run([ms.runner.RunnerInput(b.artifact_path, _device_type(target),
                                                         ms.arg_info.ArgInfo.from_prim_func(schedules[i].mod["main"]))
                                   for i, b in todo])
             for (i, _), fut in zip(todo, futures):
@@ -443,12 +495,20 @@ def commit_record(db, workload, sch: s_tir.Schedule, run_secs: list[float], targ
 
 @derived_object
 class _Progress(ms.measure_callback.PyMeasureCallback):
-    """One stderr line per measured batch."""
+    """One stderr line per measured batch; on a terminal a progress bar instead
+    (``qtvm.progress``: none under ``qtvm -q``). ``history`` keeps (trials done, best
+    latency so far) after each batch: the convergence curve."""
 
-    def __init__(self, names: list[str], total: int, enabled: bool) -> None:
+    def __init__(self, names: list[str], total: int, enabled: bool, done: int = 0) -> None:
+        from qtvm import progress
+
         self.names, self.total, self.enabled = names, total, enabled
-        self.done, self.best = 0, {}
+        self.done, self.best = done, {}
+        self.history: list[tuple[int, dict]] = []
         self.start = time.perf_counter()
+        self.bar = progress.bar(total, "qtvm tune", unit="trial") if enabled and progress.bars_enabled() else None
+        if self.bar is not None:
+            self.bar.update(done)
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
         secs = [min(r.run_secs) for r in runner_results if r.error_msg is None and r.run_secs]
@@ -456,7 +516,12 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         name = self.names[task_id]
         if secs:
             self.best[name] = min(self.best.get(name, math.inf), min(float(s) for s in secs))
-        if self.enabled:
+        self.history.append((self.done, dict(self.best)))
+        if self.bar is not None:
+            best = self.best.get(name)
+            self.bar.update(len(measure_candidates))
+            self.bar.set_postfix_str(f"{name}: best {best * 1e6:.1f} us" if best is not None else name)
+        elif self.enabled:
             best = self.best.get(name)
             best_txt = f"{best * 1e6:.1f} us" if best is not None else "none ok"
             failed = len(measure_candidates) - len(secs)
@@ -468,14 +533,76 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
 # --------------------------------------------------------------------- database
 
 
+def _device_type(target) -> str:
+    return "cpu" if target.kind.name == "llvm" else target.kind.name
+
+
 def _target_key(target) -> str:
-    return json.dumps({str(k): str(v) for k, v in target.export().items()}, sort_keys=True)
+    """Records match a target by everything but ``model``: the device they were measured on."""
+    return json.dumps({str(k): str(v) for k, v in target.export().items() if str(k) != MODEL_ATTR}, sort_keys=True)
+
+
+def measured_on(target) -> str:
+    """The device a record was measured on ("" for records from before this was kept)."""
+    return str(target.attrs.get(MODEL_ATTR, "") or "") if target is not None else ""
+
+
+def with_device(target, device: str):
+    """``target`` whose ``model`` names the device it is measured on (kept in every record)."""
+    spec = dict(target.export())
+    spec[MODEL_ATTR] = device
+    return tvm.target.Target(spec)
+
+
+def local_device() -> str:
+    """This machine's CPU, as /proc/cpuinfo names it."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"local: {name} ({_cores()} CPUs)"
+
+
+def repair_torn_tail(path: Path) -> bool:
+    """A run killed while appending a record (SIGKILL, power loss) can leave a last line
+    without its newline: complete it if it parses, else drop it (atomically).  True if
+    the file changed.  Every earlier record is a whole line and is kept."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if not data or data.endswith(b"\n"):
+        return False
+    head, _, last = data.rpartition(b"\n")
+    try:
+        json.loads(last)
+        fixed = data + b"\n"
+    except ValueError:
+        fixed = head + b"\n" if head else b""
+    tmp = path.with_name(f".{path.name}.repair")
+    tmp.write_bytes(fixed)
+    os.replace(tmp, path)
+    return True
 
 
 def open_database(db_dir: Path, *, create: bool):
     if create:
         db_dir.mkdir(parents=True, exist_ok=True)
+        for name in DB_FILES:  # only a writer repairs; apply_database reads what is there
+            if repair_torn_tail(db_dir / name):
+                print(f"[{_PROGRESS_PREFIX}] {db_dir / name}: completed or dropped a torn last line (a killed run)",
+                      file=sys.stderr, flush=True)
     paths = [db_dir / name for name in DB_FILES]
+    if paths[1].is_file():  # the records' traces name TensorIntrin variants: register them first
+        from qtvm.intrin.x86 import register_variants
+
+        register_variants(paths[1].read_text())
     return ms.database.JSONDatabase(str(paths[0]), str(paths[1]), allow_missing=create,
                                     module_equality="structural")
 
@@ -548,8 +675,9 @@ def _log_from_tvm(level: int, filename: str, lineno: int, msg: str) -> None:
 
 def _tune_context(mod, target, space, strategy, name: str, rand_state: int) -> ms.TuneContext:
     """``ms.TuneContext(...)`` without its first-use ``import tvm.s_tir.tensor_intrin``,
-    which parses TVM's built-in CUDA/ROCm/Arm intrinsics for about 30 s; this design
-    space tensorizes nothing.  Same FFI constructor and initialisation as the class."""
+    which parses TVM's built-in CUDA/ROCm/Arm intrinsics for about 30 s; qtvm's
+    design spaces tensorize only with qtvm's own intrinsics (registered by qtvm.intrin.x86).
+    Same FFI constructor and initialisation as the class."""
     try:
         ctx = ms.TuneContext.__new__(ms.TuneContext)
         ctx.__init_handle_by_constructor__(ms._ffi_api.TuneContext, mod, target, space, strategy, name,
@@ -561,22 +689,32 @@ def _tune_context(mod, target, space, strategy, name: str, rand_state: int) -> m
     return ctx.clone()
 
 
-def _check_target(target) -> tvm.target.Target:
+def _check_target(target, remote: bool = False) -> tvm.target.Target:
+    """A target this machine can measure (``remote``: any target the RPC servers measure)."""
     from qtvm.target import parse_target
     from schedules.target_facts import cpu_facts, host_supports
 
     target = parse_target(target) if isinstance(target, str) else target
+    if remote:
+        if target.kind.name not in ("llvm", "opencl", "cuda"):
+            raise QtvmError(f"cannot tune for target kind '{target.kind.name}'", "use an llvm, opencl or cuda target")
+        return target
     if target.kind.name != "llvm":
-        raise QtvmError(f"cannot tune for target kind '{target.kind.name}' here",
-                        "tuning measures on this machine: use an llvm target")
+        raise QtvmError(f"cannot tune for target kind '{target.kind.name}' on this machine",
+                        "measure on the device: --rpc HOST:PORT --device-key KEY")
     try:
         facts = cpu_facts(target)
     except ValueError as e:
-        raise QtvmError(f"cannot tune for {target}: {e}") from None
+        raise QtvmError(f"cannot tune for {target} on this machine: {e}",
+                        "measure on the device: --rpc HOST:PORT --device-key KEY") from None
     if not host_supports(facts):
         raise QtvmError(f"this machine cannot run code for {target} ({facts.isa})",
-                        "tune on a machine with that ISA, or choose a target this host runs")
+                        "tune on a machine with that ISA (or through --rpc), or choose a target this host runs")
     return target
+
+
+def _machine_line(rec: dict) -> str:
+    return f"measured on '{rec.get('cpu_model')}' [{rec.get('cpu_id')}] ({rec.get('runner')} runner)"
 
 
 def _cores() -> int:
@@ -627,7 +765,7 @@ def _collect(mod: tvm.IRModule, target, notes: list[str]) -> list[_Task]:
         if same is not None:
             same.names.append(gv.name_hint)
             continue
-        tasks.append(_Task([gv.name_hint], compute, wl, KnobSpace.of(compute, target), _desc(compute)))
+        tasks.append(_Task([gv.name_hint], compute, wl, space_of(compute, target), _desc(compute)))
     return tasks
 
 
@@ -643,23 +781,40 @@ def _kernel_row(task: _Task, decision: _Decision | None) -> KernelTuning:
 
 
 def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, progress: bool = True,
-                 seed: int | None = None) -> TuneReport:
-    """Tune every ``qtvm.kernel`` PrimFunc of ``mod`` for ``trials`` measured schedules in
+                 seed: int | None = None, rpc=None, cross_cc: str | None = None) -> TuneReport:
+    """Tune every tunable ``qtvm.kernel`` PrimFunc of ``mod`` for ``trials`` measured schedules in
     all (fewer than the number of kernels is fine: the rest keep the analytic schedule);
-    records go to the JSON database in ``work_dir`` (created; earlier records are kept
-    and seed the search).
+    records go to the JSON database in ``work_dir`` as they are measured (created; earlier
+    records are kept and seed the search).
 
-    Each kernel is tuned as a copy specialised to M = 1 (decode shapes); the winner is
-    replayed on the symbolic kernel by :func:`apply_database`.  Latencies come from
-    MetaSchedule's local runner, which reuses one set of arguments: weights stay
-    cache-resident, so memory-bound GEMV latencies are optimistic (fine for ranking
-    schedules, not for bandwidth claims).  ``progress`` prints one stderr line per
-    measured batch.
+    Resuming: schedules this database already holds for the target count towards
+    ``trials`` and an analytic schedule measured before is not measured again, so an
+    interrupted run, rerun, measures only what is missing.  Every record names the device
+    it was measured on (the target's ``model``); one database holds one device.
+
+    ``rpc`` (a :class:`schedules.rpc.Tracker`) measures on the servers registered under
+    its key, several at once, instead of this machine; candidates are linked for the
+    target's host triple (``qtvm.deploy.toolchain``, ``cross_cc`` names the compiler).
+
+    Each kernel is tuned as a copy specialised to M = 1 (decode shapes; int8 prefill
+    kernels at ``tune_a8.PREFILL_ROWS``); the winner is replayed on the symbolic kernel by
+    :func:`apply_database`.  Latencies come from ``make_runner()`` (weights cold) locally, from
+    the servers' own evaluator over RPC.  ``progress`` prints one stderr line per measured batch.
     """
     start = time.perf_counter()
     trials = _check_trials(trials)
-    target = _check_target(target)
+    target = _check_target(target, remote=rpc is not None)
     _check_tuning_deps()
+    say = (lambda text: print(f"[{_PROGRESS_PREFIX}] {text}", file=sys.stderr, flush=True)) if progress else None
+    if rpc is not None:  # every check that can fail fast comes before any work
+        from qtvm.deploy.toolchain import toolchain_for
+        from schedules.rpc import check_tracker, describe_device
+
+        toolchain = toolchain_for(target, cross_cc)
+        known = check_tracker(rpc, log=say)
+        device = describe_device(rpc, _device_type(target))
+    else:
+        toolchain, known, device = None, None, local_device()
     work_dir = Path(work_dir)
     report = TuneReport(work_dir=work_dir, trials=trials)
     tasks = _collect(mod, target, report.notes)
@@ -670,42 +825,151 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     except Exception as e:  # noqa: BLE001 - TVM raises its own error types for bad JSON
         raise QtvmError(f"tuning database in '{work_dir}' is unreadable ({type(e).__name__})",
                         "delete it or choose another --db directory") from None
-    builder, runner = make_builder(), make_runner()
+    _check_one_device(db, tasks, target, device, work_dir)
+    measure_target = with_device(target, device)
+    done_before = _measured_before(db, tasks, target)
+    remaining = trials - sum(done_before.values())
+    if progress:
+        where = f"on {len(known)} RPC server(s) under key '{rpc.key}' ({', '.join(known)})" if rpc else "locally"
+        print(f"[{_PROGRESS_PREFIX}] {len(tasks)} kernel(s), {trials} trials, database {work_dir}, measuring {where}: "
+              f"{device}", file=sys.stderr, flush=True)
+        if sum(done_before.values()):
+            print(f"[{_PROGRESS_PREFIX}] resuming: {sum(done_before.values())} of {trials} trials already in the "
+                  f"database, {max(0, remaining)} to measure", file=sys.stderr, flush=True)
+    if rpc is None:  # the CPU this database's timings come from
+        report.notes.append(_machine_line(record_machine(work_dir)))
+    builder = make_builder(toolchain, shared=rpc is not None)
+    runner = make_rpc_runner(rpc, len(known), say, known) if rpc is not None else make_runner()
+    interrupt = _InterruptFlag()
+    tracker = None
     try:
-        _seed_analytic(tasks, db, target, builder, runner, report.notes)
-        names = [task.names[0] for task in tasks]
-        if progress:
-            print(f"[{_PROGRESS_PREFIX}] {len(tasks)} kernel(s), {trials} trials, database {work_dir}",
-                  file=sys.stderr, flush=True)
-        tracker = _Progress(names, trials, progress)
-        per_iter = max(1, min(8, -(-trials // len(tasks))))
-        contexts = [
-            _tune_context(task.workload_mod, target, space_generator(task.space),
-                          ms.search_strategy.EvolutionarySearch(
-                              population_size=64, init_measured_ratio=0.2, init_min_unmeasured=16,
-                              max_fail_count=3, genetic_num_iters=3, genetic_mutate_prob=0.85, eps_greedy=0.25),
-                          name, rand)
-            for task, name, rand in zip(tasks, names, ms.utils.fork_seed(seed, n=len(tasks)))]
-        with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch:
-            ms.tune_tasks(
-                tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=scratch,
-                max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=per_iter,
-                builder=builder, runner=runner, database=db,
-                cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, per_iter), num_tuning_cores=_cores(),
-                                                  verbose_eval=1 << 30),
-                measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
-                                   ms.measure_callback.UpdateCostModel(), tracker],
-                task_scheduler="gradient",
-            )
+        _seed_analytic([t for t in tasks if not _has_analytic(db, t, target)], db, measure_target, builder, runner,
+                       report.notes)
+        tracker = _Progress([task.names[0] for task in tasks], trials, progress, done=trials - max(0, remaining))
+        if remaining > 0:
+            _search(tasks, db, measure_target, builder, runner, tracker, remaining, seed)
         report.measured = tracker.done
+        report.history = tracker.history
         if tracker.done < trials:
             report.notes.append(f"the design space ran out of unmeasured schedules after {tracker.done} of "
                                 f"{trials} trials")
-        _confirm(tasks, db, target, builder, runner, report)
+        _confirm(tasks, db, measure_target, builder, runner, report)
+    except BaseException as e:
+        _raise_stopped(e, interrupt.seen, runner, db, tasks, target, work_dir)
+        raise
     finally:
+        interrupt.restore()
         close_runner(runner)
+        if tracker is not None and tracker.bar is not None:
+            tracker.bar.close()
+        if rpc is not None:
+            report.notes.extend(runner.notes)
+    report.device = device
     report.seconds = time.perf_counter() - start
     return report
+
+
+@contextlib.contextmanager
+def _plain_text_tables():
+    """MetaSchedule prints its task table through pandas when it runs under a Jupyter
+    kernel (``s_tir.meta_schedule.using_ipython``); pandas is no dependency of qtvm, so
+    tuning from a notebook keeps the plain-text table."""
+    import tvm_ffi
+
+    name = "s_tir.meta_schedule.using_ipython"
+    original = tvm_ffi.get_global_func(name)
+    tvm_ffi.register_global_func(name, lambda: False, override=True)
+    try:
+        yield
+    finally:
+        tvm_ffi.register_global_func(name, original, override=True)
+
+
+def _search(tasks, db, target, builder, runner, tracker, trials: int, seed) -> None:
+    """MetaSchedule's evolutionary search over the knob spaces, ``trials`` measurements."""
+    names = [task.names[0] for task in tasks]
+    per_iter = max(1, min(8, -(-trials // len(tasks))))
+    contexts = [
+        _tune_context(task.workload_mod, target, space_generator(task.space),
+                      ms.search_strategy.EvolutionarySearch(
+                          population_size=64, init_measured_ratio=0.2, init_min_unmeasured=16,
+                          max_fail_count=3, genetic_num_iters=3, genetic_mutate_prob=0.85, eps_greedy=0.25),
+                      name, rand)
+        for task, name, rand in zip(tasks, names, ms.utils.fork_seed(seed, n=len(tasks)))]
+    with tempfile.TemporaryDirectory(prefix="qtvm-tune-") as scratch, _plain_text_tables():
+        ms.tune_tasks(
+            tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=scratch,
+            max_trials_global=trials, max_trials_per_task=trials, num_trials_per_iter=per_iter,
+            builder=builder, runner=runner, database=db,
+            cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, per_iter), num_tuning_cores=_cores(),
+                                              verbose_eval=1 << 30),
+            measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
+                               ms.measure_callback.UpdateCostModel(), tracker],
+            task_scheduler="gradient",
+        )
+
+
+def _records_for(db, task: _Task, target) -> list:
+    wl = db.commit_workload(task.workload_mod)
+    key = _target_key(target)
+    return [r for r in db.get_top_k(wl, 1 << 20) if r.target is not None and _target_key(r.target) == key]
+
+
+def _measured_before(db, tasks, target) -> dict[str, int]:
+    """Distinct tuned knob settings the database holds per kernel for this target."""
+    out = {}
+    for task in tasks:
+        seen = {tuple(sorted(trace_knobs(r.trace).items())) for r in _records_for(db, task, target)}
+        seen.discard(tuple(sorted(task.space.analytic.items())))
+        out[task.names[0]] = len(seen)
+    return out
+
+
+def _has_analytic(db, task: _Task, target) -> bool:
+    return any(trace_knobs(r.trace) == task.space.analytic and r.run_secs for r in _records_for(db, task, target))
+
+
+def _check_one_device(db, tasks, target, device: str, work_dir: Path) -> None:
+    """Timings from two devices are not comparable: a database holds one device's."""
+    for task in tasks:
+        others = {measured_on(r.target) for r in _records_for(db, task, target)} - {"", device}
+        if others:
+            raise QtvmError(f"tuning database '{work_dir}' holds measurements from {sorted(others)[0]}, "
+                            f"this run measures on {device}", "use one --db directory per device")
+
+
+class _InterruptFlag:
+    """Remembers a Ctrl-C: raised inside a callback MetaSchedule's C++ called, the
+    KeyboardInterrupt comes back out of ``tune_tasks`` as an anonymous RuntimeError."""
+
+    def __init__(self) -> None:
+        self.seen, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def _raise_stopped(error: BaseException, interrupted: bool, runner, db, tasks, target, work_dir: Path) -> None:
+    """An interrupted or failed search: say what the database kept and how to go on."""
+    from schedules.rpc import NoServer
+
+    kept = sum(len(_records_for(db, task, target)) for task in tasks)
+    fatal = getattr(getattr(runner, "health", None), "fatal", None)
+    text = f"{type(error).__name__}: {error}"
+    if interrupted or isinstance(error, KeyboardInterrupt):
+        raise KeyboardInterrupt(f"{kept} measured record(s) kept in '{work_dir}'; rerun the same command to "
+                                "resume") from None
+    if fatal or isinstance(error, NoServer) or "NoServer" in text:
+        raise QtvmError(f"{fatal or error}; {kept} measured record(s) kept in '{work_dir}'",
+                        "start an RPC server under the key and rerun the same command to resume") from None
 
 
 def _seed_analytic(tasks, db, target, builder, runner, notes: list[str]) -> None:
@@ -769,6 +1033,7 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
     kernels = qtvm_kernels(mod)
     if not kernels:
         return mod, notes
+    where = machine_note(db_dir)
     new = mod.clone()
     for gv, func in kernels:
         compute, why = unscheduled_kernel(func, target)
@@ -779,7 +1044,7 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
             if not db.has_workload(wl_mod):
                 notes.append(f"{gv.name_hint}: not in the tuning database; analytic schedule")
                 continue
-            space = KnobSpace.of(compute, target)
+            space = space_of(compute, target)
             decision = _decide(db, db.commit_workload(wl_mod), space, target)
         except Exception as e:  # noqa: BLE001 - a bad record must not stop a compile
             notes.append(f"warning: {gv.name_hint}: unreadable tuning records ({type(e).__name__}); "
@@ -802,9 +1067,11 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
                          f"({type(e).__name__}); analytic schedule")
             continue
         new.update_func(gv, tuned)
+        rows = tune_a8.rows_of(_kind(compute)) if _kind(compute) in tune_a8.KINDS else 1
         notes.append(f"{gv.name_hint}: tuned schedule ({decision.analytic_s * 1e6:.1f} -> "
-                     f"{decision.tuned_s * 1e6:.1f} us at M=1; "
-                     + " ".join(f"{k}={v}" for k, v in decision.tuned_knobs.items()) + ")")
+                     f"{decision.tuned_s * 1e6:.1f} us at M={rows}; "
+                     + " ".join(f"{k}={v}" for k, v in decision.tuned_knobs.items()) + ")"
+                     + (f"; {where}" if where else ""))
     return new, notes
 
 
@@ -812,20 +1079,42 @@ def apply_database(mod: tvm.IRModule, target, db_dir) -> tuple[tvm.IRModule, lis
 
 
 def tune_command(args) -> int:
+    from qtvm.deploy.toolchain import with_default_host
     from qtvm.pipeline import FLOAT, build_module
-    from qtvm.target import parse_target
+    from qtvm.target import parse_target, with_host
 
     _check_trials(args.trials)
+    rpc = None
+    if getattr(args, "rpc", None) or getattr(args, "device_key", None):
+        from schedules.rpc import parse_tracker
+
+        if not args.rpc:
+            raise QtvmError("--device-key needs --rpc HOST:PORT (the tracker)")
+        rpc = parse_tracker(args.rpc, args.device_key, getattr(args, "rpc_wait", 30.0))
     if args.quant == FLOAT:
         raise QtvmError("--quant none leaves no packed kernels to tune", "choose a preset such as int4-g128")
     if not Path(args.model).is_file():
         raise QtvmError(f"model file '{args.model}' does not exist")
-    target = _check_target(parse_target(args.target) if isinstance(args.target, str) else args.target)
-    mod, _meta, _summary, build_notes = build_module(args.model, target, args.quant)
-    report = tune_kernels(mod, target, Path(args.db), args.trials, progress=not getattr(args, "quiet", False))
+    target = parse_target(args.target) if isinstance(args.target, str) else args.target
+    target, host_note = with_default_host(with_host(target, getattr(args, "host", None)))
+    target = _check_target(target, remote=rpc is not None)
+    if rpc is not None:  # tracker, servers and device before the model is even read
+        from qtvm.deploy.toolchain import toolchain_for
+        from schedules.rpc import check_tracker
+
+        toolchain_for(target, getattr(args, "cross_cc", None))
+        check_tracker(rpc)
+    mod, _meta, _summary, build_notes = build_module(args.model, target, args.quant, getattr(args, "act", "fp32"))
+    report = tune_kernels(mod, target, Path(args.db), args.trials, progress=not getattr(args, "quiet", False),
+                          rpc=rpc, cross_cc=getattr(args, "cross_cc", None))
     print(f"tuned {len(report.kernels)} kernel(s) in {report.seconds:.0f} s; database: {report.work_dir}")
-    print("latencies at M = 1 from MetaSchedule's runner (cache-hot weights: optimistic for GEMVs)")
+    print(f"measured on {report.device}")
+    if rpc is None:
+        print(f"latencies at M = 1 (int8 prefill: M = {tune_a8.PREFILL_ROWS}) with the weights cold (rotated over "
+              "more than the L3)")
+    else:
+        print("latencies at M = 1 from the servers' evaluator (cache-hot weights: optimistic for GEMVs)")
     print(report.table())
-    for note in build_notes + report.notes:
+    for note in ([host_note] if host_note else []) + build_notes + report.notes:
         print(note)
     return 0

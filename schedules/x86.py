@@ -29,16 +29,19 @@ GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per ro
 def facts(target: tvm.target.Target):
     from qtvm.intrin.x86 import ROW_TILE
     from schedules.facts import KernelFacts
+    from schedules.x86_lut import prefer_lut16
 
     return KernelFacts(family="x86", col_block=col_block(target), gemv_max_rows=GEMV_MAX_ROWS,
-                       row_tile=ROW_TILE, int8_activations=bool(dot_isa(target)), activations=("fp32", "int8"))
+                       row_tile=ROW_TILE, int8_activations=bool(dot_isa(target)), activations=("fp32", "int8"),
+                       lut16_gemv=lambda fmt, k: prefer_lut16(fmt, k, target))
 
 
 def rules() -> list:
-    from schedules import x86_gemm, x86_lut
+    from schedules import x86_dense, x86_gemm, x86_lut
 
     return [schedule_qmatmul_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
-            schedule_quantize_activations_x86, x86_gemm.schedule_qmatmul_gemm_x86, x86_lut.schedule_lut_gemv_x86]
+            schedule_quantize_activations_x86, schedule_sparse_outliers_x86, x86_gemm.schedule_qmatmul_gemm_x86,
+            x86_lut.schedule_lut_gemv_x86, x86_dense.schedule_dense_x86, x86_lut.schedule_lut16_gemv_x86]
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):
@@ -58,10 +61,11 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     return sch
 
 
-def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True):
+def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True, scope: str = "local"):
     """The common skeleton of the x86 rules: parallel over column tiles of the output,
     then per row a register accumulator over the tile, fed group by group.
-    Returns (acc_group_loop, acc_column_loop)."""
+    ``scope`` "global" keeps a small accumulator on the stack (LLVM registers); "local"
+    makes it a TVMBackendAllocWorkspace buffer. Returns (acc_group_loop, acc_column_loop)."""
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     i, j = sch.get_loops(out)
     jo, ji = sch.split(j, [None, tile])
@@ -69,7 +73,8 @@ def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: boo
     if parallel:
         sch.parallel(jo)
     sch.compute_at(acc, i)
-    sch.set_scope(acc, 0, "local")
+    if scope != "global":
+        sch.set_scope(acc, 0, scope)
     if int(desc["padded_k"]) == int(desc["group"]):
         sch.add_unit_loop(acc)  # one group: compute_at dropped the unit group loop
     acc_j, acc_g = sch.get_loops(acc)[-2:]
@@ -132,6 +137,8 @@ def dot_isa(target: tvm.target.Target) -> str:
             return "avx512vnni"
         if has("avx512bw"):
             return "avx512bw"
+        if has("avxvnni"):
+            return "avxvnni"
         if has("avx2"):
             return "avx2"
     return ""
@@ -145,19 +152,23 @@ def _a8_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target, kind: str):
     return (isa, func.attrs[ops.FORMAT_ATTR], s_tir.Schedule(func)) if isa else None
 
 
-def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols: int, tiled: bool):
-    """The part both int8 rules share: per group (``acc_g``) the group partial over its
-    32-value blocks, per block the int32 dot of ``tile_cols`` columns (x the row tile when
-    ``tiled``); returns the loop to tensorize."""
+def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols: int, tiled: bool,
+                        scope: str = "local", gpart_at=None):
+    """The part both int8 rules share: per group (``acc_g``, or the column-tile loop
+    ``gpart_at`` inside it) the group partial over its 32-value blocks, per block the int32
+    dot of ``tile_cols`` columns (x the row tile when ``tiled``); returns the loop to
+    tensorize and the group's block loop. ``scope``: of the dot and group partial (see ``tile_columns_then_groups``)."""
     gpart, dot = sch.get_sblock(ops.BLOCK_GPART), sch.get_sblock(ops.BLOCK_DOT)
-    sch.compute_at(gpart, acc_g)
-    sch.set_scope(gpart, 0, "local")
+    sch.compute_at(gpart, acc_g if gpart_at is None else gpart_at)
+    if scope != "global":
+        sch.set_scope(gpart, 0, scope)
     if int(desc["group"]) == ops.ACT_BLOCK:
         sch.add_unit_loop(gpart)
     *gp_rows, gp_j, gp_b = sch.get_loops(gpart)[-3 if tiled else -2:]
     sch.reorder(gp_b, *gp_rows, gp_j)
     sch.compute_at(dot, gp_b)
-    sch.set_scope(dot, 0, "local")
+    if scope != "global":
+        sch.set_scope(dot, 0, scope)
     *dot_rows, dot_j, dot_k = sch.get_loops(dot)[-3 if tiled else -2:]
     vec, lane = sch.split(dot_j, [None, tile_cols])
     sch.reorder(vec, *dot_rows, lane, dot_k)
@@ -167,40 +178,108 @@ def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols:
     sch.vectorize(acc_j)
     sch.decompose_reduction(gpart, gp_b)
     sch.decompose_reduction(acc, acc_g)
-    return dot_rows[0] if tiled else lane
+    return (dot_rows[0] if tiled else lane), gp_b
 
 
-def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *,
-                            streams: int | None = None) -> s_tir.Schedule | None:
-    """int8-activation kernel: the dot of one 32-value block with a column vector is
-    one TensorIntrin (``qtvm.intrin.x86``, accumulator in a register); per block the
-    int32 dot is scaled into the group partial, per group the scale/offset fold it
-    into the output."""
-    from qtvm.intrin import x86 as intrin
-
+def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, **knobs) -> s_tir.Schedule | None:
+    """int8-activation GEMV: the dot of one 32-value block with a 16-column line is one
+    TensorIntrin (``qtvm.intrin.x86``, accumulators in registers); per block the int32
+    dot is scaled into the group partial, per group the scale/offset fold it into the
+    output.  ``knobs``: see ``apply_qmatmul_a8_x86`` (none: the analytic schedule)."""
     started = _a8_schedule(func, target, "qmatmul_a8")
     if started is None:
         return None
-    isa, desc, sch = started
-    nb, bits = int(desc["col_block"]), int(desc["bits"])
-    streams = A8_STREAMS if streams is None else streams
-    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb * streams)
-    loop = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.ISAS[isa], False)
-    sch.tensorize(loop, intrin.intrin_name(bits, isa))
-    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
+    sch = started[2]
+    apply_qmatmul_a8_x86(sch, target, **knobs)
     return sch
 
 
-def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+# -- tuning hook (schedules/tune_a8.py) ---------------------------------------------------
+# Knobs (None / 0 = the analytic choice); ``tile_cols`` and ``unroll`` may be ExprRVs that
+# MetaSchedule samples, the others change the loop nest or the TensorIntrin and are ints:
+#   streams:   column blocks per parallel task (divides the blocks)
+#   tile_cols: columns per pass over a group's rows (a multiple of 16 dividing the task's
+#              columns); default all of them: one pass reads whole rows, one contiguous
+#              stream, which measured faster from DRAM than narrower register-resident
+#              passes, even where AVX2 spills
+#   prefetch:  (bytes ahead, llvm.prefetch locality) of each step's prefetch, (0, 0) none
+#   unroll:    pragma_auto_unroll_max_step of each group's block loop (0: a loop)
+def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, streams: int | None = None,
+                         tile_cols=None, prefetch: tuple[int, int] | None = None, unroll=0) -> None:
+    from qtvm.intrin import x86 as intrin
+
+    func = sch.mod["main"]
+    isa, desc = dot_isa(target), func.attrs[ops.FORMAT_ATTR]
+    nb, bits = int(desc["col_block"]), int(desc["bits"])
+    streams = A8_STREAMS if streams is None else int(streams)
+    cols = nb * streams
+    prefetch = a8_prefetch(target) if prefetch is None else prefetch
+    nblk = -(-int(desc["n"]) // nb)
+    if streams < 1 or nblk % streams:
+        raise ValueError(f"streams={streams} must divide the {nblk} column blocks")
+    if isinstance(tile_cols, int) and (tile_cols % intrin.STEP_COLS or cols % tile_cols):
+        raise ValueError(f"tile_cols={tile_cols} must be a multiple of {intrin.STEP_COLS} dividing {cols}")
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, cols, scope="global")
+    tile_loop = None
+    if tile_cols is not None and not (isinstance(tile_cols, int) and tile_cols == cols):
+        # column tiles inside each group: the group's rows stay one contiguous stream
+        tile_loop, acc_j = sch.split(acc_j, [None, tile_cols])
+    loop, blocks = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS,
+                                       False, scope="global", gpart_at=tile_loop)
+    sch.tensorize(loop, intrin.intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
+    _unroll(sch, blocks, unroll)
+    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
+
+
+def _unroll(sch: s_tir.Schedule, loop, steps) -> None:
+    """Ask LLVM-side unrolling of ``loop`` (steps: an int or a sampled ExprRV; int 0 = leave it)."""
+    if isinstance(steps, int) and steps == 0:
+        return
+    sch.annotate(loop, "pragma_auto_unroll_max_step", steps)
+    sch.annotate(loop, "pragma_unroll_explicit", 1)
+
+
+def a8_prefetch(target: tvm.target.Target) -> tuple[int, int]:
+    """(bytes ahead, locality) of the weight prefetch: the target's facts (``target_facts``:
+    a measured row of its table, else the default), overridden by tuning."""
+    from schedules.target_facts import cpu_facts
+
+    try:
+        facts = cpu_facts(target)
+    except ValueError:  # an mcpu the table does not know: the default
+        from schedules.target_facts import CpuFacts
+
+        return CpuFacts.prefetch_bytes, CpuFacts.prefetch_locality
+    return facts.prefetch_bytes, facts.prefetch_locality
+
+
+def prefetch_rows(prefetch: tuple[int, int], nb: int) -> tuple[int, int]:
+    """(bytes ahead, locality) -> (rows of the column-blocked array ahead, locality)."""
+    nbytes, locality = (int(v) for v in prefetch)
+    return (0, 0) if nbytes <= 0 else (-(-nbytes // (4 * nb)), locality)
+
+
+def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, **knobs
+                                 ) -> s_tir.Schedule | None:
     """Prefill with int8 activations: per column block and tile of ``row_tile`` rows, each
     32-weight block is unpacked once and dotted with every row of the tile (one TensorIntrin
-    call); M is symbolic, its tail rows are zero padding that ``y`` never stores."""
+    call); M is symbolic, its tail rows are zero padding that ``y`` never stores.
+    ``knobs``: ``prefetch`` and ``unroll`` as the GEMV's (``apply_qmatmul_a8_gemm_x86``)."""
     from qtvm.intrin import x86 as intrin
 
     started = _a8_schedule(func, target, "qmatmul_a8_gemm")
     if started is None or int(started[1]["row_tile"]) != intrin.ROW_TILE:
         return None
-    isa, desc, sch = started
+    sch = started[2]
+    apply_qmatmul_a8_gemm_x86(sch, target, **knobs)
+    return sch
+
+
+def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
+                              prefetch: tuple[int, int] | None = None, unroll=0) -> None:
+    from qtvm.intrin import x86 as intrin
+
+    isa, desc = dot_isa(target), sch.mod["main"].attrs[ops.FORMAT_ATTR]
     nb, bits, rows = int(desc["col_block"]), int(desc["bits"]), int(desc["row_tile"])
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     i, j = sch.get_loops(out)
@@ -215,19 +294,42 @@ def schedule_qmatmul_a8_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Tar
         sch.add_unit_loop(acc)
     acc_r, acc_j, acc_g = sch.get_loops(acc)[-3:]
     sch.reorder(acc_g, acc_r, acc_j)
-    loop = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
-    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa))
-    return sch
+    loop, blocks = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
+    prefetch = a8_prefetch(target) if prefetch is None else prefetch
+    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
+    _unroll(sch, blocks, unroll)
 
 
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    """M x K elementwise work: parallel over rows; small next to the GEMV."""
+    """M x K elementwise work, small next to the matmul: the prefill form (row tiles) is
+    parallel over rows; the GEMV form (M <= 2, 1-3 us of work) is serial, as a parallel
+    launch there costs more than the work (measured 2.7 -> 5.5 us at 2 threads, K = 4096)
+    and is one more point where a descheduled worker stalls the call."""
     if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "quantize_activations":
         return None
     sch = s_tir.Schedule(func)
-    for name in ("amax", "xd", "xq", "bsum", "xs"):
-        block = sch.get_sblock(name)
-        loops = sch.get_loops(block)
-        if name == "xq":
-            sch.parallel(loops[0])
+    if int(func.attrs[ops.FORMAT_ATTR].get("row_tile", 1)) > 1:
+        sch.parallel(sch.get_loops(sch.get_sblock("xq"))[0])
+    return sch
+
+
+SPARSE_COLS = 64  # output columns per parallel task of the outlier kernel
+
+
+def schedule_sparse_outliers_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """mixed-2-4-16's CSR outlier term y[m, n] = sum_j values[j] * x[m, indices[j]]: parallel
+    over tasks of ``SPARSE_COLS`` columns, per row and column its (short) list of outliers
+    summed in a register (1 thread, 4096 x 4096 at 0.2%: 20.1 -> 18.2 us; a column-inner
+    order measured 2x slower). Gathers stay scalar: a column holds a handful of outliers."""
+    from qtvm.formats.mixed import SPARSE_KERNEL
+
+    if not applies(func, target) or str(func.attrs[ops.KERNEL_ATTR]) != SPARSE_KERNEL:
+        return None
+    sch = s_tir.Schedule(func)
+    block = sch.get_sblock("outliers")
+    i, j, r = sch.get_loops(block)
+    jo, ji = sch.split(j, [None, SPARSE_COLS])
+    sch.reorder(jo, i, ji, r)
+    sch.parallel(jo)
+    sch.decompose_reduction(block, r)  # the sum in a register, one store per output
     return sch

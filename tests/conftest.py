@@ -4,6 +4,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+# The compiler's TVM, before any test imports qtvm.runtime (which would otherwise load the
+# runtime-only library and leave this process unable to compile). Runtime-only behaviour is
+# tested in subprocesses.
+import tvm  # noqa: F401
 from onnx import TensorProto, helper, numpy_helper
 
 

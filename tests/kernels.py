@@ -5,10 +5,19 @@ import numpy as np
 import tvm
 
 from qtvm import ops
+from qtvm.hostinfo import host_cpu_flags
 from schedules import compile_kernel
 
 NB = 64  # column block of the x86 rules
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # runs on every supported x86 host
+# One target per byte-dot ISA of the int8-activation kernels; RUNNABLE: those this host executes.
+ISA_TARGETS = {"avx2": AVX2,
+               "avxvnni": tvm.target.Target({"kind": "llvm", "mcpu": "alderlake"}),  # AVX-VNNI, no AVX-512
+               "avx512bw": tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}),
+               "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})}
+ISA_FLAGS = {"avx2": {"avx2"}, "avxvnni": {"avx2", "avx_vnni"}, "avx512bw": {"avx512bw"},
+             "avx512vnni": {"avx512bw", "avx512_vnni"}}
+RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= host_cpu_flags()]
 
 
 def compile_scheduled(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
@@ -26,3 +35,34 @@ def run_blocked(lib, x: np.ndarray, qt, nb: int = NB) -> np.ndarray:
 
 def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def int8_rounded_reference(x, fmt, qt):
+    """x rounded exactly as the activation kernel does (per 32 values, symmetric int8)."""
+    kp = fmt.padded_k(qt.k)
+    xp = np.zeros((x.shape[0], kp))
+    xp[:, : qt.k] = x
+    blocks = xp.reshape(x.shape[0], -1, ops.ACT_BLOCK)
+    scale = np.abs(blocks).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
+    safe = np.where(scale > 0, scale, 1)
+    xq = np.clip(np.round(blocks / safe), -127, 127) * scale
+    return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)
+
+
+def run_a8(target, fmt, qt, x, row_tile=None, lib=None):
+    """quantize_activations + the GEMV (row_tile None) or the row-tiled prefill kernel
+    (or ``lib``, a compiled kernel of the same kind)."""
+    tile = row_tile or 1
+    quant = compile_scheduled(ops.quantize_activations_func(fmt, qt.k, tile), target)
+    if lib is None:
+        lib = compile_scheduled(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB) if row_tile is None
+                                else ops.qmatmul_a8_gemm_func(fmt, qt.k, qt.n, NB, row_tile), target)
+    kp, groups = fmt.padded_k(qt.k), fmt.padded_k(qt.k) // fmt.group_size_for(qt.k)
+    m = x.shape[0]
+    mp = -(-m // tile) * tile
+    acts = [tvm.runtime.tensor(np.full(s, 99, d)) for s, d in  # padding rows must be written too
+            (((mp, kp), np.int8), ((mp, kp // 32), np.float32), ((mp, groups), np.float32))]
+    quant["main"](tvm.runtime.tensor(x), *acts)
+    y = tvm.runtime.tensor(np.full((m, qt.n), np.nan, np.float32))
+    lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)], y)
+    return y.numpy(), lib

@@ -30,7 +30,7 @@ def unsupported_model(path):
     nodes = [helper.make_node("Det", ["x"], ["d"], name="det"),
              helper.make_node("Bernoulli", ["x"], ["b"], name="bern"),
              helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("MatMulNBits", ["x"], ["q"], name="mnb", domain="com.microsoft")]
+             helper.make_node("FusedMatMul", ["x"], ["q"], name="mnb", domain="com.microsoft")]
     graph = helper.make_graph(nodes, "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, [3, 3]) for o in "dbrq"])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
@@ -53,7 +53,7 @@ def test_bad_model_files(tmp_path, case):
     proc = qtvm("compile", model, "--target", "llvm", "-o", out)
     needles = {"missing": ["does not exist"], "not_onnx": ["not a readable ONNX model"],
                "truncated": ["not a readable ONNX model"], "directory": ["is a directory"],
-               "unsupported": ["unsupported ONNX ops", "Bernoulli", "Det", "com.microsoft.MatMulNBits"]}[case]
+               "unsupported": ["unsupported ONNX ops", "Bernoulli", "Det", "com.microsoft.FusedMatMul"]}[case]
     assert_clean_error(proc, *needles)
     assert "Relu" not in proc.stderr  # only the unsupported ones are named
     assert not out.exists()
@@ -150,3 +150,94 @@ def test_run_command_never_loads_the_compiler(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "tvm imported: False", proc.stderr
+
+
+# -- quantized ONNX and GPTQ checkpoints ------------------------------------------------------------
+def test_quantized_onnx_through_the_cli(tmp_path):
+    from tests.quantized_models import ort_matmul_nbits
+
+    onnx.save(ort_matmul_nbits(mlp_model(), 4, 32, False), str(tmp_path / "q.onnx"))
+    proc = qtvm("compile", tmp_path / "q.onnx", "--target", "llvm", "-mcpu=znver3", "-o", tmp_path / "q.so")
+    assert proc.returncode == 0, proc.stderr
+    assert ("packed 2 matmuls: 1 quantized in the model or checkpoint (MatMulNBits int4-g32 x1), 1 to int4-g128 "
+            "(fp32 activations)") in proc.stdout
+
+
+def test_unsupported_matmul_nbits_bits_through_the_cli(tmp_path):
+    from tests.quantized_models import matmul_nbits_layer, model_of
+
+    node, inits, _ = matmul_nbits_layer("mnb", "x", "y", 64, 8, 4, 32)
+    next(a for a in node.attribute if a.name == "bits").i = 3
+    onnx.save(model_of([(node, inits, None)], [("x", ["batch", 64])], [("y", ["batch", 8])]), str(tmp_path / "m.onnx"))
+    out = tmp_path / "m.so"
+    assert_clean_error(qtvm("compile", tmp_path / "m.onnx", "-o", out), "MatMulNBits 'mnb' has bits=3",
+                       "2, 4 and 8-bit")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+@pytest.fixture
+def gptq_files(tmp_path):
+    """mlp_model's fc2 ([70, 37] MatMul weight 'w2'), GPTQ-quantized by qtvm into an AutoGPTQ checkpoint.
+    K = 70 and N = 37 are not whole 4-bit words: the writer pads them, the reader accepts it."""
+    from qtvm.formats import UniformFormat
+    from qtvm.formats.gptq import gptq_quantize
+    from qtvm.formats.gptq_checkpoint import write_autogptq
+
+    model = mlp_model()
+    onnx.save(model, str(tmp_path / "mlp.onnx"))
+    w2 = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w2"))
+    x = np.random.default_rng(0).standard_normal((256, 70)).astype(np.float32)
+    qt = gptq_quantize(w2, x, UniformFormat(4, 32), act_order=True)
+    return tmp_path, lambda tensors=None: write_autogptq(tmp_path / "ck.safetensors", {"w2": qt},
+                                                         extra=tensors or {})
+
+
+def test_gptq_checkpoint_through_the_cli(gptq_files):
+    tmp, write = gptq_files
+    proc = qtvm("compile", tmp / "mlp.onnx", "--gptq", write(), "--quant", "none", "-o", tmp / "g.so")
+    assert proc.returncode == 0, proc.stderr
+    assert "1 quantized in the model or checkpoint (GPTQ int4-g32 x1), 0 to -" in proc.stdout
+
+
+def test_gptq_mismatch_through_the_cli(gptq_files):
+    from qtvm.safetensors import load_safetensors, save_safetensors
+
+    tmp, write = gptq_files
+    tensors = load_safetensors(write())
+    tensors["w1.qweight"] = np.zeros((11, 70), np.int32)  # fc1 is [70, 100] (Gemm transB): K=100 has no 11-row packing
+    tensors["w1.qzeros"] = np.zeros((4, 9), np.int32)
+    tensors["w1.scales"] = np.zeros((4, 70), np.float16)
+    tensors["lm_head.qweight"] = np.zeros((4, 4), np.int32)
+    tensors["lm_head.qzeros"] = np.zeros((1, 1), np.int32)
+    tensors["lm_head.scales"] = np.zeros((1, 4), np.float16)
+    save_safetensors(tmp / "bad.safetensors", tensors)
+    out = tmp / "g.so"
+    proc = qtvm("compile", tmp / "mlp.onnx", "--gptq", tmp / "bad.safetensors", "-o", out)
+    assert_clean_error(proc, "does not fit the model", "w1: qweight [11, 70] qzeros [4, 9] scales [4, 70] do not "
+                       "fit K=100, N=70 of ONNX weight 'w1' [70, 100]",
+                       "lm_head (qweight [4, 4] qzeros [1, 1] scales [1, 4]) matches no MatMul/Gemm weight")
+    assert not out.exists()
+    del tensors["w1.scales"]
+    save_safetensors(tmp / "bad.safetensors", tensors)
+    assert_clean_error(qtvm("compile", tmp / "mlp.onnx", "--gptq", tmp / "bad.safetensors", "-o", out),
+                       "lacks w1.scales")
+    assert_clean_error(qtvm("compile", tmp / "mlp.onnx", "--gptq", tmp / "none.safetensors", "-o", out),
+                       "does not exist")
+
+
+def test_unrelated_symbolic_dims_one_line_nothing_of_tvm(tmp_path):
+    """An import failure: exit 2, qtvm's own sentence naming the node, tensors and dims;
+    nothing of TVM's (no 'BlockBuilder destroyed' warning, no 'Error converting operator')."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "m"], ["y"], name="add_mask")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"]),
+                                           helper.make_tensor_value_info("m", TensorProto.FLOAT, ["batch", "total"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(model))
+    out = tmp_path / "out.so"
+    proc = qtvm("compile", model, "--quant", "none", "-o", out)
+    assert_clean_error(proc, "Add node 'add_mask'", "'r' [batch, seq] (axis -1: seq)",
+                       "'m' [batch, total] (axis -1: total)", "cannot be related")
+    assert proc.stdout == ""
+    assert not out.exists()

@@ -78,3 +78,68 @@ def test_kernel_on_uniform_weights_converted_to_bcq():
     out = tvm.runtime.tensor(np.zeros((17, 37), np.float32))
     lib["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(a) for a in ops.blocked_arrays(bq, NB)], out)
     assert rel_err(out.numpy(), x.astype(np.float64) @ uq.dequantize().astype(np.float64)) < 1e-5
+
+
+# -- the 16-entry tables (vpermps) ---------------------------------------------------------
+from qtvm.hostinfo import host_cpu_flags  # noqa: E402
+from schedules.x86_lut import prefer_lut16, schedule_lut16_gemv_x86  # noqa: E402
+
+LUT16_TARGETS = [TARGET] + ([tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})]
+                            if "avx512f" in host_cpu_flags() else [])
+
+
+@pytest.mark.parametrize("target", LUT16_TARGETS, ids=lambda t: str(t.attrs.get("mcpu")))
+@pytest.mark.parametrize("fmt, k, n", [
+    (get_format("bcq3-g128"), 1000, 37), (get_format("bcq2-g32"), 300, 70), (get_format("bcq4-g64"), 256, 1),
+    (BCQFormat(1, 256), 1000, 5), (BCQFormat(3, None), 300, 17),
+], ids=lambda v: getattr(v, "name", v))
+def test_lut16_kernel_matches_reference(target, fmt, k, n):
+    rng = np.random.default_rng(k * n)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    func = lut_gemv.lut16_gemv_func(fmt, k, n, NB)
+    assert str(func.attrs[ops.KERNEL_ATTR]) == "lut16_gemv" and int(func.attrs[ops.FORMAT_ATTR]["mu"]) == 4
+    lib = compile_scheduled(func, target)  # through RULES
+    for m in (1, 17):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = run_blocked(lib, x, qt)
+        assert rel_err(out, x.astype(np.float64) @ qt.dequantize().astype(np.float64)) < 1e-5
+
+
+def test_lut16_unscheduled_equals_scheduled():
+    """The one-hot form of the lookup (what the rule tensorizes) computes the same values."""
+    fmt = get_format("bcq2-g64")
+    rng = np.random.default_rng(9)
+    qt = fmt.quantize(rng.standard_normal((200, 40)).astype(np.float32))
+    func = lut_gemv.lut16_gemv_func(fmt, 200, 40, NB)
+    plain = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    np.testing.assert_allclose(run_blocked(plain, x, qt), run_blocked(compile_scheduled(func, TARGET), x, qt),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_lut16_lookups_are_permutes_in_the_hot_loop():
+    """Per 32-row block, plane and 16 columns: 8 permutes (vpermps, which LLVM may spell
+    vpermd), 7 shifts, no gathers or scalar table reads."""
+    from collections import Counter
+
+    from qtvm.bench.asm_loops import hot_loop
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    lib = compile_scheduled(lut_gemv.lut16_gemv_func(get_format("bcq3-g128"), 1024, 256, NB), target)
+    asm = lib.mod.inspect_source("asm")
+    marker = "vpermd" if "vpermd" in asm else "vpermps"
+    mix = Counter(ins.split()[0] for ins in hot_loop(asm, marker))
+    steps = mix[marker] / 8
+    assert steps >= 1 and mix["vpsrld"] == 7 * steps
+    assert not any(op.startswith(("vgather", "vmovss")) for op in mix)
+
+
+def test_lut16_needs_whole_blocks_and_a_vector_isa():
+    assert lut_gemv.supports_lut16(get_format("bcq3-g128"), 1000)
+    assert not lut_gemv.supports_lut16(BCQFormat(2, 16), 100)
+    assert not lut_gemv.supports_lut16(get_format("int4-g128"), 1000)
+    with pytest.raises(QtvmError, match="whole 32-row blocks"):
+        lut_gemv.lut16_gemv_func(BCQFormat(2, 16), 100, 8, NB)
+    assert prefer_lut16(get_format("bcq3-g128"), 1000, TARGET)
+    assert not prefer_lut16(get_format("bcq3-g128"), 1000, tvm.target.Target({"kind": "llvm", "mcpu": "x86-64"}))
+    assert schedule_lut16_gemv_x86(lut_gemv.lut_gemv_func(get_format("bcq2-g32"), 64, 8, NB), TARGET) is None

@@ -3,19 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tvm
 
 from qtvm import ops
 from qtvm.formats import get_format
-from qtvm.hostinfo import host_cpu_flags
-from tests.kernels import AVX2, NB, rel_err, run_blocked
+from tests.kernels import AVX2, ISA_TARGETS, NB, RUNNABLE, int8_rounded_reference, rel_err, run_a8, run_blocked
 from tests.kernels import compile_scheduled as build
 
-ISA_TARGETS = {"avx2": AVX2,
-               "avx512bw": tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}),
-               "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})}
-ISA_FLAGS = {"avx2": {"avx2"}, "avx512bw": {"avx512bw"}, "avx512vnni": {"avx512bw", "avx512_vnni"}}
-RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= host_cpu_flags()]
 
 
 @pytest.mark.parametrize("preset,k,n", [
@@ -37,35 +30,6 @@ def test_kernel_carries_format_description():
     desc = func.attrs[ops.FORMAT_ATTR]
     assert func.attrs[ops.KERNEL_ATTR] == "qmatmul"
     assert (int(desc["bits"]), int(desc["group"]), int(desc["padded_k"]), int(desc["col_block"])) == (3, 128, 1024, 64)
-
-
-def int8_rounded_reference(x, fmt, qt):
-    """x rounded exactly as the activation kernel does (per 32 values, symmetric int8)."""
-    kp = fmt.padded_k(qt.k)
-    xp = np.zeros((x.shape[0], kp))
-    xp[:, : qt.k] = x
-    blocks = xp.reshape(x.shape[0], -1, ops.ACT_BLOCK)
-    scale = np.abs(blocks).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
-    safe = np.where(scale > 0, scale, 1)
-    xq = np.clip(np.round(blocks / safe), -127, 127) * scale
-    return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)
-
-
-def run_a8(target, fmt, qt, x, row_tile=None):
-    """quantize_activations + the GEMV (row_tile None) or the row-tiled prefill kernel."""
-    tile = row_tile or 1
-    quant = build(ops.quantize_activations_func(fmt, qt.k, tile), target)
-    lib = build(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB) if row_tile is None
-                else ops.qmatmul_a8_gemm_func(fmt, qt.k, qt.n, NB, row_tile), target)
-    kp, groups = fmt.padded_k(qt.k), fmt.padded_k(qt.k) // fmt.group_size_for(qt.k)
-    m = x.shape[0]
-    mp = -(-m // tile) * tile
-    acts = [tvm.runtime.tensor(np.full(s, 99, d)) for s, d in  # padding rows must be written too
-            (((mp, kp), np.int8), ((mp, kp // 32), np.float32), ((mp, groups), np.float32))]
-    quant["main"](tvm.runtime.tensor(x), *acts)
-    y = tvm.runtime.tensor(np.full((m, qt.n), np.nan, np.float32))
-    lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)], y)
-    return y.numpy(), lib
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
@@ -109,7 +73,7 @@ def test_host_can_run_avx2_path():
 @pytest.mark.parametrize("preset", ["int4-g128", "int3-g128", "int2-g64"])
 @pytest.mark.parametrize("isa,pattern,register", [
     ("avx512vnni", ["vpdpbusd"], "zmm"), ("avx512bw", ["vpmaddubsw", "vpmaddwd"], "zmm"),
-    ("avx2", ["vpmaddubsw", "vpmaddwd"], "ymm")])
+    ("avxvnni", ["{vex}", "vpdpbusd"], "ymm"), ("avx2", ["vpmaddubsw", "vpmaddwd"], "ymm")])
 def test_int8_dot_asm(preset, isa, pattern, register):
     """The byte-dot intrinsic lands as its instruction on full-width registers, no scalar extracts."""
     fmt = get_format(preset)
@@ -119,8 +83,9 @@ def test_int8_dot_asm(preset, isa, pattern, register):
         assert any(instr in line and register in line for line in lines), instr
     assert "vpextrd" not in asm and "vpextrb" not in asm
     assert "prefetcht1" in asm  # the weight stream is prefetched ahead, into L2
-    # unpack: vector shifts and masks of whole code words
-    assert any("vpsrld" in line and register in line for line in lines)
+    # unpack: vector shifts and masks of whole code words (VNNI int4: masks only, the
+    # high nibbles' dot shifted back once per block by an arithmetic shift)
+    assert any(("vpsrld" in line or "vpsrad" in line) and register in line for line in lines)
     assert any("vpand" in line and register in line for line in lines)
 
 

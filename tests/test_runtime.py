@@ -99,3 +99,57 @@ def test_kernels_run_on_every_physical_core():
 
 def test_tvm_num_threads_overrides_the_default():
     assert _num_threads_in_child("1") == ("1", 1)
+
+
+def test_scalar_input_and_shape_output(tmp_path):
+    """0-d inputs stay 0-d (silero-vad's `sr`), and a Shape output comes back as an int64 array."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from qtvm.pipeline import compile_model  # the compiler's TVM first: qtvm.runtime would load runtime-only
+    from qtvm import runtime
+
+    nodes = [helper.make_node("Mul", ["x", "s"], ["y"]), helper.make_node("Shape", ["x"], ["shape"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                                           helper.make_tensor_value_info("s", TensorProto.FLOAT, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3]),
+                               helper.make_tensor_value_info("shape", TensorProto.INT64, [2])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    art = compile_model(path, tmp_path / "m.so", "host", "none").path
+    module = runtime.load(art)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = module.run({"x": x, "s": np.array(2.0, np.float32)})
+    np.testing.assert_array_equal(out["y"], 2 * x)
+    assert out["shape"].dtype == np.int64 and out["shape"].tolist() == [2, 3]
+    with pytest.raises(QtvmError, match="rank 1"):
+        module.run({"x": x, "s": np.array([2.0], np.float32)})
+
+
+def _checker(inputs, **meta):
+    from qtvm.runtime import Module
+
+    m = Module.__new__(Module)
+    m.metadata = {"inputs": inputs, "outputs": [], **meta}
+    return m
+
+
+def test_dimension_expressions_limits_and_zero_lengths():
+    """'past + seq' must equal past + seq; a recorded limit is enforced; only a symbol the
+    compiler marked (a KV past length) may be 0."""
+    m = _checker([{"name": "ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                  {"name": "mask", "dtype": "int64", "shape": ["batch", "past + seq"]},
+                  {"name": "k", "dtype": "float32", "shape": ["batch", 2, "past", 4]}],
+                 dim_limits={"seq": 8}, may_be_zero=["past"])
+
+    def feeds(batch=1, seq=3, past=2, mask=None):
+        return {"ids": np.zeros((batch, seq), np.int64), "mask": np.ones((batch, mask or past + seq), np.int64),
+                "k": np.zeros((batch, 2, past, 4), np.float32)}
+    assert len(m.check_inputs(feeds())) == 3
+    assert len(m.check_inputs(feeds(past=0))) == 3
+    with pytest.raises(QtvmError, match="input 'mask' has size 6 on axis 1, expected past \\+ seq = 5"):
+        m.check_inputs(feeds(mask=6))
+    with pytest.raises(QtvmError, match="this model takes seq <= 8"):
+        m.check_inputs(feeds(seq=9))
+    with pytest.raises(QtvmError, match="sizes must be >= 1"):
+        m.check_inputs(feeds(seq=0))

@@ -2,7 +2,8 @@
 its peers (torch fp32 mv, torch's int4 CPU kernel with bf16 activations,
 onnxruntime MatMulNBits with accuracy_level=4), in one run.
 
-qtvm kernels are registered as peers, so they are timed by the same
+qtvm kernels (the ones the compiler picks for M = 1: the int8 GEMV with ``--act int8``,
+the 16-entry LUT GEMV for BCQ formats) are registered as peers, so they are timed by the same
 interleaved, bandwidth-probed rounds with the same DRAM rotation
 (``qtvm.bench.peers.benchmark_peers``); each thread count runs in a fresh
 process because TVM's thread pool size is fixed at start-up.
@@ -16,7 +17,7 @@ import numpy as np
 from qtvm.bench import peers as peer_lib
 
 DEFAULT_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N) of LLaMA-7B's projections
-DEFAULT_FORMATS = ("int4-g128", "int3-g128", "int2-g64", "e0m4-g128")
+DEFAULT_FORMATS = ("int4-g128", "int3-g128", "int2-g64", "e0m4-g128", "bcq3-g128")
 PEERS = ("torch_fp32", "torch_int4", "ort_matmulnbits")
 
 
@@ -49,8 +50,12 @@ class QtvmGemv(peer_lib.Peer):
                 scratch = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (
                     ((1, kp), np.int8), ((1, kp // ops.ACT_BLOCK), np.float32),
                     ((1, kp // fmt.group_size_for(self.K)), np.float32))]
-            else:
-                kernels, scratch = (build(ops.qmatmul_func(fmt, self.K, self.N, nb)),), []
+            else:  # the GEMV the compiler picks: BCQ runs the 16-entry LUT kernel where it is faster
+                from qtvm.lut_gemv import lut16_gemv_func
+                from schedules.x86_lut import prefer_lut16
+
+                dense = lut16_gemv_func if prefer_lut16(fmt, self.K, tgt) else ops.qmatmul_func
+                kernels, scratch = (build(dense(fmt, self.K, self.N, nb)),), []
             arrays = ops.a8_arrays(qt, nb) if activations == "int8" else ops.blocked_arrays(qt, nb)
             _shared = (qt, arrays, kernels, scratch, activations)
         self._shared = _shared
@@ -136,16 +141,24 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
         print(f"read bandwidth, {t} thread(s): {bw[t]:.2f} GB/s "
               f"({', '.join(f'{s} streams {v:.1f}' for s, v in detail.items())})", flush=True)
     del probe
+    from qtvm.progress import bar
+
     results = []
+    runs = bar(len(threads), "qtvm bench gemv", unit="thread count")
     for t in threads:
+        runs.set_postfix_str(f"{t} thread(s)")
         out = harness.run_in_subprocess("qtvm.bench.gemv:benchmark_child", {
             "shapes": [list(s) for s in shapes], "threads": t, "formats": list(formats),
             "activations": list(activations), "peers": list(peers), "rounds": rounds, "reference_bw": bw[t],
             "target": target}, harness.thread_env(t))
         results += [harness.BenchResult.from_dict(d).with_bandwidth(bw[t]) for d in out["results"]]
+        runs.update(1)
+    runs.close()
     results.sort(key=lambda r: (r.shape, r.threads, r.kernel))
     print()
-    harness.print_table(results, bw)
+    harness.print_table(results, bw, extras=("hot_gbps",))
+    print("hot_gbps: the same call repeated on one copy (weights cache-resident), 10th percentile: the "
+          "kernel's compute ceiling next to the DRAM-cold GB/s")
     if json_path is not None:
         harness.write_json(results, json_path, harness.machine_meta(bw))
         print(f"\nwrote {json_path}")

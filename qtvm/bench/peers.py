@@ -573,6 +573,7 @@ def benchmark_peers(
     seed: int = 0,
     check: bool = True,
     peer_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    hot_iters: int = 200,
 ) -> dict:
     """Time each peer on each (K, N) shape with DRAM rotation, ``threads`` threads.
 
@@ -591,8 +592,11 @@ def benchmark_peers(
     bandwidth seen (``reference_bw`` or probed) is rejected and re-run, up to
     ``max_rounds`` attempts (if none is accepted, all are used and the results
     are marked ``unstable``). Each result's extras hold the per-round
-    medians, the accepted probes, the rejected ones, and ``pct_of_probe_bw``
-    (GB/s over the median accepted probe).
+    medians, the accepted probes, the rejected ones, ``pct_of_probe_bw``
+    (GB/s over the median accepted probe), and ``hot_gbps``: the same call
+    repeated ``hot_iters`` times on one copy (weights cache-resident: the
+    kernel's compute ceiling; from the 10th percentile of the single-call
+    times, as other processes only ever add time).
     Every peer's output is checked against its reference before timing when
     ``check`` is set. ``l3_bytes`` overrides the L3 size used for rotation
     (tests only: a smaller value no longer guarantees DRAM reads).
@@ -683,6 +687,7 @@ def benchmark_peers(
                     bw_probes += [before, after]
             bw_med = harness.median(bw_probes)
             probes_by_shape[f"{K}x{N}"] = bw_probes
+            hot = [_hot_seconds(base, hot_iters) for base in bases]
             for j, base in enumerate(bases):
                 extras: dict[str, Any] = {
                     "n_copies": len(rot[j]),
@@ -697,6 +702,9 @@ def benchmark_peers(
                 }
                 if pool_flags[j] is not None:
                     extras["ort_shared_pool"] = pool_flags[j]
+                if hot[j] is not None:
+                    extras["hot_us"] = hot[j] * 1e6
+                    extras["hot_gbps"] = base.weight_bytes / hot[j] / 1e9
                 r_ = harness.BenchResult.from_times(
                     base.name, (N, K), base.fmt, threads, times[j], base.weight_bytes, **extras
                 )
@@ -705,3 +713,20 @@ def benchmark_peers(
             del rot, bases, copies, base
             gc.collect()
     return {"results": results, "bandwidth_probes": probes_by_shape}
+
+
+def _hot_seconds(peer: Peer, iters: int) -> float | None:
+    """10th percentile of ``iters`` single calls on one copy (cache-hot); None if iters < 1."""
+    import time
+
+    if iters < 1:
+        return None
+    for _ in range(min(iters, 10)):  # warm the caches and the thread pool
+        peer.run()
+    clock, times = time.perf_counter_ns, []
+    for _ in range(iters):
+        t0 = clock()
+        peer.run()
+        times.append((clock() - t0) * 1e-9)
+    times.sort()
+    return times[len(times) // 10]

@@ -428,14 +428,20 @@ def run(shapes=DEFAULT_SHAPES, rows=DEFAULT_ROWS, formats=DEFAULT_FORMATS, activ
 
     print(f"{harness.cpu_model()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
           f"CPU busy before start {100 * harness.cpu_busy_fraction(1.0):.0f}%", flush=True)
+    from qtvm.progress import bar
+
     results: list[dict] = []
+    runs = bar(len(threads), "qtvm bench prefill", unit="thread count")
     for t in threads:
+        runs.set_postfix_str(f"{t} thread(s)")
         out = harness.run_in_subprocess("qtvm.bench.prefill:benchmark_child", {
             "shapes": [list(s) for s in shapes], "threads": t, "formats": list(formats),
             "activations": list(activations), "peers": list(peers), "rows": [int(m) for m in rows],
             "rounds": rounds, "budget_s": budget_s, "target": target, "quiet_wait_s": quiet_wait_s},
             harness.thread_env(t))
         results += out["results"]
+        runs.update(1)
+    runs.close()
     order = {k: i for i, k in enumerate(dict.fromkeys(r["kernel"] + r["fmt"] for r in results))}
     results.sort(key=lambda r: (r["K"], r["N"], r["M"], r["threads"], order[r["kernel"] + r["fmt"]]))
     add_speedups(results)

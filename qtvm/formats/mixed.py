@@ -90,6 +90,7 @@ MAX_OUTLIER_FRAC = 0.005
 FP16_MAX = 65504.0
 CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6)  # 2-bit scale search: scale = ratio * max|w| / 1.5
 SPARSE_ATTR = "qtvm.sparse"
+SPARSE_KERNEL = "sparse_outliers"  # its qtvm.kernel: scheduled by schedules.x86.schedule_sparse_outliers_x86
 _KERNEL_HINT = ("use qtvm.formats.mixed.mixed_parts(qt) (two uniform kernels) and "
                 "sparse_outlier_func for the outliers")
 
@@ -498,7 +499,10 @@ def sparse_outlier_func(csr, k: int, n: int) -> tvm.tirx.PrimFunc:
 
     y = te.compute((m, n), body, name="outliers")
     func = te.create_prim_func([x, indptr, indices, values, y])
-    return func.with_attrs({SPARSE_ATTR: {"k": k, "n": n, "nnz": nnz, "longest_column": longest}})
+    from qtvm.ops import FORMAT_ATTR, KERNEL_ATTR
+
+    facts = {"k": k, "n": n, "nnz": nnz, "longest_column": longest}
+    return func.with_attrs({SPARSE_ATTR: facts, KERNEL_ATTR: SPARSE_KERNEL, FORMAT_ATTR: facts})
 
 
 register(MixedFormat())

@@ -19,7 +19,8 @@ from qtvm.errors import QtvmError
 from qtvm.formats.base import ArrayLoader, GroupedAlongK, QuantFormat, QuantizedTensor, check_weight
 
 VALID_BITS = (2, 3, 4, 8)
-VALID_GROUPS = (16, 32, 64, 128, 256)
+VALID_GROUPS = (16, 32, 64, 128, 256)  # the presets; a model's own blocks may be any multiple of GROUP_UNIT
+GROUP_UNIT = 16  # every group is whole int32 words at 2/4/8 bits (and MatMulNBits' smallest block)
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,11 @@ class UniformFormat(GroupedAlongK, QuantFormat):
         if self.bits not in VALID_BITS:
             raise QtvmError(f"uniform format cannot pack {self.bits}-bit values",
                             f"valid bits: {', '.join(map(str, VALID_BITS))}")
-        if self.group_size is not None and self.group_size not in VALID_GROUPS:
-            raise QtvmError(f"uniform format cannot use group size {self.group_size}",
-                            f"valid group sizes: {', '.join(map(str, VALID_GROUPS))} or full column")
+        g = self.group_size
+        if g is not None and (not isinstance(g, int) or g <= 0 or g % GROUP_UNIT):
+            raise QtvmError(f"uniform format cannot use group size {g}",
+                            f"valid group sizes: multiples of {GROUP_UNIT} (presets: "
+                            f"{', '.join(map(str, VALID_GROUPS))}) or full column")
 
     # -- layout facts -------------------------------------------------------
     @property

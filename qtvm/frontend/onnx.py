@@ -10,6 +10,8 @@ import onnx
 from qtvm.errors import QtvmError
 
 WEIGHT_OPS = ("MatMul", "Gemm")
+# Custom-domain ops qtvm reads itself before TVM's importer (qtvm/frontend/quantized.py).
+QTVM_READS = {("com.microsoft", "MatMulNBits")}
 
 
 @dataclass
@@ -40,11 +42,13 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
 
 
 def validate(model: onnx.ModelProto, name: str = "model") -> None:
-    """Unsupported ops first (all named at once), then the ONNX checker."""
+    """Unsupported ops, attributes and dtypes first (all named at once), then the ONNX checker."""
+    from qtvm.frontend.op_support import unsupported_features
+
     missing = unsupported_ops(model)
-    if missing:
-        raise QtvmError(f"unsupported ONNX ops: {', '.join(missing)}",
-                        "re-export without them, or file an issue naming these ops")
+    problems = ([f"unsupported ONNX ops: {', '.join(missing)}"] if missing else []) + unsupported_features(model)
+    if problems:
+        raise QtvmError("; ".join(problems), "re-export without them, or file an issue naming them")
     try:
         onnx.checker.check_model(model)
     except Exception as e:
@@ -60,6 +64,8 @@ def unsupported_ops(model: onnx.ModelProto) -> list[str]:
     missing = set()
     for node in model.graph.node:
         custom_domain = node.domain not in ("", "ai.onnx")
+        if (node.domain, node.op_type) in QTVM_READS:
+            continue
         if custom_domain or node.op_type not in known:
             missing.add(f"{node.domain}.{node.op_type}" if custom_domain else node.op_type)
     return sorted(missing)
@@ -70,14 +76,62 @@ def _dims(value_info) -> list:
     return [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in shape.dim]
 
 
+@dataclass
+class WeightSource:
+    """Where a MatMul/Gemm's constant weight comes from: the 2-D float32 tensor ``array``
+    (an initializer's or a Constant node's value, ``name``), stored [N, K] when
+    ``transposed`` (Gemm transB, or a Transpose node on the way), else [K, N]."""
+
+    node: onnx.NodeProto
+    index: int  # of node in model.graph.node
+    name: str
+    array: object  # numpy array, as stored
+    transposed: bool
+
+
+def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
+    """Every MatMul/Gemm whose B is a constant 2-D float32 weight, directly or through
+    Identity and 2-D Transpose nodes (dynamo exports a tied lm_head as MatMul(x,
+    Transpose(W))): the rule relay_passes.quantize_weights applies to the imported graph,
+    so what is summarized, quantized and dequantized for reference is the same set."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    arrays = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    out = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type not in WEIGHT_OPS or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        name = node.input[1]
+        transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+        while name not in arrays and name in producer:
+            p = producer[name]
+            perm = next((list(a.ints) for a in p.attribute if a.name == "perm"), None)
+            if p.op_type == "Constant" and any(a.name == "value" for a in p.attribute):
+                arrays[name] = next(a.t for a in p.attribute if a.name == "value")
+                break
+            if p.op_type == "Identity":
+                name = p.input[0]
+            elif p.op_type == "Transpose" and perm in (None, [1, 0]):
+                name, transposed = p.input[0], not transposed
+            else:
+                break
+        if name in arrays:
+            array = numpy_helper.to_array(arrays[name])
+            if array.ndim == 2 and array.dtype == np.float32:
+                out.append(WeightSource(node, index, name, array, transposed))
+    return out
+
+
 def summarize(model: onnx.ModelProto) -> OnnxSummary:
-    inits = {t.name for t in model.graph.initializer}
-    inits |= {n.output[0] for n in model.graph.node if n.op_type == "Constant"}
+    constant = {w.index for w in weight_sources(model)}
     s = OnnxSummary()
     for i, node in enumerate(model.graph.node):
         if node.op_type in WEIGHT_OPS and node.domain in ("", "ai.onnx"):
             name = node.name or f"{node.op_type}_{i}"
-            (s.weight_matmuls if node.input[1] in inits else s.float_matmuls).append(name)
+            (s.weight_matmuls if i in constant else s.float_matmuls).append(name)
+    inits = {t.name for t in model.graph.initializer}
     to_str = onnx.helper.tensor_dtype_to_np_dtype
     graph_inputs = [v for v in model.graph.input if v.name not in inits]
     s.inputs = [(v.name, str(to_str(v.type.tensor_type.elem_type)), _dims(v)) for v in graph_inputs]
@@ -86,12 +140,11 @@ def summarize(model: onnx.ModelProto) -> OnnxSummary:
 
 
 def import_onnx(model: onnx.ModelProto):
-    """Relax IRModule with weights bound as constants and dim_params as symbols."""
+    """Relax IRModule with weights bound as constants and dim_params as symbols; shape
+    subgraphs folded into expressions of those symbols (qtvm.frontend.importer), op forms
+    TVM's converters get wrong repaired first (qtvm.frontend.rewrites)."""
     validate(model)
-    from tvm import relax
+    from qtvm.frontend.importer import import_model
+    from qtvm.frontend.rewrites import repair
 
-    try:
-        return relax.frontend.onnx.from_onnx(model, keep_params_in_input=False)
-    except Exception as e:
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise QtvmError(f"TVM's ONNX importer failed: {last}", "file an issue with the model attached") from None
+    return import_model(repair(model))

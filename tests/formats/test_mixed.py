@@ -236,6 +236,15 @@ def _compile(func):
     return tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
 
 
+def _sparse(func):
+    """The outlier kernel scheduled by its x86 rule (parallel over columns), compiled."""
+    from schedules import schedule_kernel
+    from schedules.x86 import schedule_sparse_outliers_x86
+
+    assert schedule_sparse_outliers_x86(func, TARGET) is not None
+    return _compile(schedule_kernel(func, TARGET))
+
+
 def _call(lib, args, m, n):
     out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
     lib["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], out)
@@ -249,7 +258,7 @@ def test_composite_kernels_match_reference(heavy_layer):
     idx4, p4, idx2, p2, csr = mixed_parts(qt)
     dense = [(idx, p, _compile(schedule_qmatmul_x86(ops.qmatmul_func(p.fmt, p.k, p.n, NB), TARGET).mod["main"]))
              for idx, p in ((idx4, p4), (idx2, p2))]
-    sparse = _compile(sparse_outlier_func(csr, k, n))
+    sparse = _sparse(sparse_outlier_func(csr, k, n))
     rng = np.random.default_rng(7)
     for m in (1, 17):
         xs = rng.standard_normal((m, k)).astype(np.float32)
@@ -272,11 +281,11 @@ def test_sparse_kernel_on_uneven_columns():
     for j, c in enumerate(cols):
         for r in sorted(c):
             dense[r, j] = values[indptr[j] + sorted(c).index(r)]
-    lib = _compile(sparse_outlier_func((indptr, indices, values), k, n))
-    for m in (1, 17):
+    lib = _sparse(sparse_outlier_func((indptr, indices, values), k, n))
+    for m in (1, 3, 67):
         xs = rng.standard_normal((m, k)).astype(np.float32)
         y = _call(lib, [xs, *sparse_outlier_arrays((indptr, indices, values))], m, n)
         np.testing.assert_allclose(y, xs.astype(np.float64) @ dense, rtol=1e-5, atol=1e-5)
     empty = (np.zeros(n + 1, np.int32), np.zeros(0, np.int16), np.zeros(0, np.float16))
-    lib = _compile(sparse_outlier_func(empty, k, n))
+    lib = _sparse(sparse_outlier_func(empty, k, n))
     assert np.all(_call(lib, [np.ones((2, k), np.float32), *sparse_outlier_arrays(empty)], 2, n) == 0)

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from qtvm import ops
 from qtvm.errors import QtvmError
-from qtvm.formats import UniformFormat, get_format
+from qtvm.formats import PRESETS, UniformFormat, get_format
 from schedules.x86 import schedule_qmatmul_x86
 from tests.kernels import AVX2 as TARGET
 from tests.kernels import NB, run_blocked
@@ -171,10 +171,21 @@ def test_invalid_bits_lists_valid(bits):
         UniformFormat(bits, 128)
 
 
-@pytest.mark.parametrize("group", [0, 8, 100, 512])
+@pytest.mark.parametrize("group", [0, 8, 100, -16])
 def test_invalid_group_lists_valid(group):
-    with pytest.raises(QtvmError, match=r"valid group sizes: 16, 32, 64, 128, 256 or full column"):
+    with pytest.raises(QtvmError, match=r"valid group sizes: multiples of 16 \(presets: 16, 32, 64, 128, 256\)"):
         UniformFormat(4, group)
+
+
+@pytest.mark.parametrize("group", [48, 512, 1024])
+def test_model_block_sizes_beyond_presets(group):
+    """Quantized ONNX models bring their own block sizes: any multiple of 16 packs and round-trips."""
+    fmt = UniformFormat(4, group)
+    assert fmt.name == f"int4-g{group}" and fmt.name not in PRESETS
+    w = np.random.default_rng(group).standard_normal((200, 9)).astype(np.float32)
+    qt = fmt.quantize(w)
+    assert qt.arrays["scales"].shape == (fmt.num_groups(200), 9)
+    assert np.abs(qt.dequantize() - w).max() <= 0.5 * qt.arrays["scales"].max() + 1e-6
 
 
 def test_names_and_nominal_bits():

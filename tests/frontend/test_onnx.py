@@ -26,9 +26,9 @@ def test_import_keeps_symbolic_batch():
 def test_unsupported_ops_all_named():
     model = mlp_model()
     model.graph.node.append(onnx.helper.make_node("Det", ["x"], ["d"]))
-    model.graph.node.append(onnx.helper.make_node("MatMulNBits", ["x"], ["q"], domain="com.microsoft"))
-    assert unsupported_ops(model) == ["Det", "com.microsoft.MatMulNBits"]
-    with pytest.raises(QtvmError, match="unsupported ONNX ops: Det, com.microsoft.MatMulNBits"):
+    model.graph.node.append(onnx.helper.make_node("FusedMatMul", ["x"], ["q"], domain="com.microsoft"))
+    assert unsupported_ops(model) == ["Det", "com.microsoft.FusedMatMul"]
+    with pytest.raises(QtvmError, match="unsupported ONNX ops: Det, com.microsoft.FusedMatMul"):
         import_onnx(model)
 
 
@@ -38,3 +38,61 @@ def test_load_errors(tmp_path):
     (tmp_path / "bad.onnx").write_bytes(b"\x00\x01garbage")
     with pytest.raises(QtvmError, match="not a readable ONNX model"):
         load_onnx(tmp_path / "bad.onnx")
+
+
+def _tied_model():
+    """A tied embedding/lm_head as dynamo exports it: Gather(W, ids) and MatMul(h, Transpose(W))."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((40, 32)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["W", "ids"], ["h"], name="embed"),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0], name="tie"),
+             helper.make_node("MatMul", ["h", "Wt"], ["logits"], name="lm_head")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 40])],
+                              [numpy_helper.from_array(w, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_tied_lm_head_counted_once(tmp_path):
+    """Quantized, summarized as a weight matmul, not also 'left in float'; the reference
+    dequantizes the lm_head's copy and keeps the embedding table float, as qtvm does."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from qtvm.formats import get_format
+    from qtvm.pipeline import compile_model
+    from qtvm.reference import dequantized_model
+    from qtvm import runtime
+
+    model = _tied_model()
+    s = summarize(model)
+    assert s.weight_matmuls == ["lm_head"] and s.float_matmuls == []
+    path = tmp_path / "tied.onnx"
+    onnx.save(model, str(path))
+    result = compile_model(path, tmp_path / "tied.so", "host", "int4-g16")
+    assert result.metadata["quantized_matmuls"] == 1
+    assert not [n for n in result.notes if "left in float" in n]
+    deq = dequantized_model(model, get_format("int4-g16"))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in deq.graph.initializer}
+    np.testing.assert_array_equal(inits["W"], onnx.numpy_helper.to_array(model.graph.initializer[0]))
+    lm_head = next(n for n in deq.graph.node if n.name == "lm_head")
+    assert lm_head.input[1] != "Wt" and not np.array_equal(inits[lm_head.input[1]], inits["W"].T)
+    ids = np.array([[0, 5, 39], [7, 7, 1]], np.int64)
+    got = runtime.load(result.path).run({"ids": ids})["logits"]
+    want = ort.InferenceSession(deq.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_control_flow_graph_still_imports():
+    """A graph with If goes through TVM's own importer (its branches), as before."""
+    from onnx import TensorProto, helper
+
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n"])  # noqa: E731
+    then = helper.make_graph([helper.make_node("Relu", ["x"], ["t"])], "then", [], [out("t")])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [out("e")])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+                              [helper.make_tensor_value_info("c", TensorProto.BOOL, []), out("x")], [out("y")])
+    mod = import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10))
+    assert [p.name for p in mod["main"].params] == ["c", "x"]

@@ -55,7 +55,7 @@ def test_every_intrinsic_is_registered_with_a_systematic_name():
     for bits in x86.BITS:
         for isa, lanes in x86.ISAS.items():
             name = x86.intrin_name(bits, isa)
-            assert name == f"qtvm_dot_u{bits}s8_i32x{lanes}_{isa}"
+            assert name == f"qtvm_dot_u{bits}s8_i32x{x86.STEP_COLS}_{isa}"
             assert s_tir.TensorIntrin.get(name) is not None
             tile = x86.tile_intrin_name(bits, isa)
             assert tile == f"qtvm_gemm_u{bits}s8_i32x{lanes}_{x86.ROW_TILE}x{x86.TILE_VECS[isa]}_{isa}"

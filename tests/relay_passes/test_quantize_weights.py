@@ -99,3 +99,22 @@ def test_fp16_activations_are_named_where_a_target_has_none():
 
     with pytest.raises(QtvmError, match="--act fp16 has no kernels for target llvm; use one of: fp32, int8"):
         quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), TARGET, activations="fp16")
+
+
+@pytest.mark.parametrize("preset", ["bcq3-g32", "bcq2-g64"])
+def test_bcq_gemv_runs_the_lut16_kernel(preset):
+    """BCQ decode matmuls take the 16-entry LUT kernel (schedules.x86_lut.prefer_lut16);
+    prefill keeps the dequantize-once GEMM; both sides match onnxruntime's dequantized model."""
+    model = mlp_model()
+    mod, _ = quantize_weights(import_onnx(model), get_format(preset), TARGET)
+    kinds = {str(f.attrs["qtvm.kernel"]) for _, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and "qtvm.kernel" in f.attrs}
+    assert kinds == {"lut16_gemv", "qmatmul_gemm"}
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    session = ort.InferenceSession(dequantized_model(model, get_format(preset)).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    for rows in (1, 2, 3, 67):
+        x = np.random.default_rng(rows).standard_normal((rows, 100)).astype(np.float32)
+        y, _ = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
+        ref = session.run(None, {"x": x})[0]
+        assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5

@@ -344,3 +344,21 @@ def test_analytic_record_is_the_hand_schedule(small, target):
         return tvm.tirx.build(mod, target=target).inspect_source("asm")
 
     assert asm(space.schedule(compute, space.analytic).mod["main"]) == asm(schedule_kernel(compute, target))
+
+
+def test_torn_last_record_is_repaired_before_tuning(tuned, small, target, tmp_path):
+    """A run killed mid-append leaves a line without its newline: the next tuning run
+    drops it (or completes it if whole) and keeps every earlier record."""
+    db_dir = tmp_path / "db"
+    shutil.copytree(tuned[0], db_dir)
+    path = db_dir / "database_tuning_record.json"
+    whole = path.read_text()
+    lines = whole.splitlines()
+    path.write_text(whole + lines[-1][: len(lines[-1]) // 2])  # half a record, no newline
+    assert tune.repair_torn_tail(path) and path.read_text() == whole
+    path.write_text(whole[:-1])  # a whole record missing only its newline
+    assert tune.repair_torn_tail(path) and path.read_text() == whole
+    assert not tune.repair_torn_tail(path)
+    path.write_text(whole + lines[0][:10])
+    db = tune.open_database(db_dir, create=True)
+    assert len(db.get_all_tuning_records()) == len(lines)

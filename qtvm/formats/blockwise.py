@@ -1,0 +1,114 @@
+"""Weights quantized elsewhere (quantized ONNX models, GPTQ checkpoints) -> uniform tensors.
+
+A ``BlockQuantized`` is a 2-D weight as another tool stored it: unsigned integer
+codes and, per group of consecutive elements along one axis, a scale and a zero point,
+
+    w[r, c] = (codes[r, c] - zeros[group]) * scales[group]
+
+kept in the orientation of the tensor it came from. ``for_matmul`` repacks it into
+qtvm's uniform format for ``x @ W`` (K = the reduction axis): codes packed along K
+in int32 words, scales/zeros [G, N] float32 (``qtvm.formats.uniform``), a format
+built for the tensor's own bits and group size (``UniformFormat(4, 32)`` or
+``UniformFormat(4, 48)``, preset or not). Only integer codes are moved; no float
+copy of the weight is ever made. Act-order tensors (``g_idx``) are permuted so
+their groups are contiguous (``qtvm.formats.gptq.reorder_for_kernel``) and carry
+the activation permutation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qtvm.errors import QtvmError
+from qtvm.formats.base import QuantizedTensor
+from qtvm.formats.gptq import ActOrderFormat, reorder_for_kernel
+from qtvm.formats.uniform import GROUP_UNIT, VALID_BITS, UniformFormat
+
+
+@dataclass
+class BlockQuantized:
+    """Codes [rows, cols] with groups running along ``axis`` (None: one group for the whole tensor).
+
+    ``scales``/``zeros`` have the grouped axis reduced: [G, cols] when axis = 0,
+    [rows, G] when axis = 1, [1, 1] when axis is None. ``group_size`` None means one
+    group spans the whole axis (per-channel). ``g_idx`` [len(axis)] gives each
+    row's group when groups are not consecutive (GPTQ act-order).
+    """
+
+    origin: str  # e.g. "MatMulNBits 'fc2'": named in notes and errors
+    bits: int
+    codes: np.ndarray  # unsigned, < 2**bits
+    scales: np.ndarray  # float32
+    zeros: np.ndarray  # float32, in code units (integer-valued or not)
+    axis: int | None
+    group_size: int | None
+    g_idx: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.bits not in VALID_BITS:
+            raise QtvmError(f"{self.origin} has {self.bits}-bit weights; qtvm's kernels take "
+                            f"{', '.join(map(str, VALID_BITS))} bits", "re-quantize it to one of those")
+        g = self.group_size
+        if g is not None and (g <= 0 or g % GROUP_UNIT):
+            raise QtvmError(f"{self.origin} has block size {g}; qtvm's kernels take blocks that are "
+                            f"multiples of {GROUP_UNIT}", "re-quantize with block_size 16, 32, 64, 128 or 256")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def why_not(self, transposed: bool) -> str | None:
+        """None when ``x @ W`` (``x @ W^T`` if ``transposed``) fits the uniform format, else why not."""
+        k_axis = 1 if transposed else 0
+        if self.axis is None or self.axis == k_axis:
+            return None
+        return (f"its {'blocks' if self.group_size else 'per-channel scales'} run along the output axis, "
+                "so the scale changes with every row of K (qtvm's formats group along K)")
+
+    def for_matmul(self, transposed: bool = False) -> tuple[QuantizedTensor, np.ndarray | None]:
+        """(uniform tensor of W [K, N], activation permutation or None): ``x @ W == x[..., perm] @ W_kernel``."""
+        reason = self.why_not(transposed)
+        if reason is not None:
+            raise QtvmError(f"{self.origin} cannot run on qtvm's kernels: {reason}")
+        codes, scales, zeros = self.codes, self.scales, self.zeros
+        if transposed:
+            codes, scales, zeros = codes.T, scales.T, zeros.T
+        k, n = codes.shape
+        if self.axis is None:
+            scales, zeros = np.broadcast_to(scales, (1, n)), np.broadcast_to(zeros, (1, n))
+        fmt = UniformFormat(self.bits, self.group_size)
+        kp, gs, groups = fmt.padded_k(k), fmt.group_size_for(k), fmt.num_groups(k)
+        if scales.shape[0] > groups or scales.shape[1] != n or zeros.shape != scales.shape:
+            raise QtvmError(f"{self.origin} has scales {list(scales.shape)} and zero points {list(zeros.shape)} "
+                            f"for a [{k}, {n}] weight with groups of {gs}", "check the quantized model")
+        # Groups past the stored ones cover only padding rows (3-bit runs of 32 with groups of 16).
+        s = np.ones((groups, n), np.float32)
+        z = np.zeros((groups, n), np.float32)
+        s[:scales.shape[0]], z[:zeros.shape[0]] = scales, zeros
+        zero_codes = np.clip(np.round(z), 0, fmt.qmax).astype(np.uint32)
+        full = np.repeat(zero_codes, gs, axis=0)  # padding rows: their group's zero code (weight ~0, x is 0 there)
+        full[:k] = codes
+        arrays = {"qweight": fmt.pack(full), "scales": s, "zeros": z}
+        if self.g_idx is None or np.array_equal(self.g_idx, np.arange(k) // gs):
+            return QuantizedTensor(fmt, k, n, arrays), None
+        try:
+            perm, qt = reorder_for_kernel(QuantizedTensor(ActOrderFormat(fmt), k, n, dict(arrays, g_idx=self.g_idx)))
+        except QtvmError as e:
+            raise QtvmError(f"{self.origin}: {e.problem}", e.fix) from None
+        return qt, perm
+
+    def dequantize_reference(self) -> np.ndarray:
+        """float64 [rows, cols], straight from the stored codes (tests and checks only)."""
+        codes = self.codes.astype(np.float64)
+        if self.axis is None:
+            return (codes - float(self.zeros.reshape(-1)[0])) * float(self.scales.reshape(-1)[0])
+        c = np.moveaxis(codes, self.axis, 0)
+        s, z = np.moveaxis(self.scales, self.axis, 0), np.moveaxis(self.zeros, self.axis, 0)
+        length = c.shape[0]
+        if self.g_idx is not None:
+            g = np.asarray(self.g_idx, np.int64)
+        else:
+            g = np.arange(length) // (self.group_size or length)
+        w = (c - z[g].astype(np.float64)) * s[g].astype(np.float64)
+        return np.moveaxis(w, 0, self.axis)

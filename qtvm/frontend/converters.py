@@ -1,0 +1,322 @@
+"""qtvm's own converters for the ONNX ops whose shapes TVM's importer loses.
+
+Each takes ``(importer, node, attrs)`` and returns a Relax expression (or a Tuple), or
+None to leave the node to TVM's converter. They read shape-like inputs as known
+values (``qtvm.frontend.shapes``) and state every output shape as an expression of
+the input symbols:
+
+- Reshape / Expand / ConstantOfShape to a computed shape: ``reshape`` / ``broadcast_to``
+  / ``full`` to that shape expression (``-1`` and ``0`` resolved here, by cancelling
+  common factors: ``batch*seq*64 / (batch*seq*4) = 16``);
+- Range: ``arange`` whose length is ``ceil((limit - start) / delta)`` over the symbols
+  (``Range(past, past + seq)`` has length ``seq``, not a fresh symbol);
+- Slice: bounds clamped here (``INT64_MAX`` -> the dim), so the slice is in bounds
+  and its length an expression;
+- broadcasting ops: the output dims are derived here; dims that can be neither
+  proven equal nor 1 are a user error naming the tensors and the dims, and where
+  TVM's inference could not simplify its result the derived shape is re-attached;
+- Pow by a constant 2 or 3: multiplications (exact, no ``pow`` of a negative base).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from tvm import relax, tirx
+
+from qtvm.frontend.importer import ImportFailure
+from qtvm.frontend.shapes import BIG, is_symbolic
+
+CONVERTERS: dict = {}
+
+
+def converter(*ops):
+    def register(fn):
+        for op in ops:
+            CONVERTERS[op] = fn
+        return fn
+    return register
+
+
+def _shape_expr(imp, dims) -> relax.ShapeExpr:
+    return relax.ShapeExpr([imp.sym.expr(d) for d in dims])
+
+
+def _product(imp, dims):
+    total = 1
+    for d in dims:
+        total = imp.sym.norm(imp.sym.expr(total) * imp.sym.expr(d)) if is_symbolic(d) or is_symbolic(total) \
+            else total * d
+    return total
+
+
+def _divide(imp, num: list, den: list):
+    """prod(num) / prod(den) by cancelling equal factors (``batch*4*(past+seq)*16 /
+    ((past+seq)*16) = batch*4``, which the arithmetic simplifier alone does not see
+    through a sum); None if it does not divide."""
+    num = list(num)
+    den_symbolic = [d for d in den if is_symbolic(d)]
+    den = [d for d in den if not is_symbolic(d)]
+    for d in den_symbolic:
+        match = next((i for i, n in enumerate(num) if is_symbolic(n) and imp.sym.equal(n, d)), None)
+        if match is None:
+            total, rest = _product(imp, num), _product(imp, [d, *den])
+            q = imp.sym.norm(tirx.floordiv(imp.sym.expr(total), imp.sym.expr(rest)))
+            return q if imp.sym.equal(imp.sym.expr(q) * imp.sym.expr(rest), total) else None
+        num.pop(match)
+    num_const = _product(imp, [n for n in num if not is_symbolic(n)])
+    den_const = _product(imp, den)
+    if den_const == 0 or num_const % den_const:
+        return None
+    return _product(imp, [num_const // den_const] + [n for n in num if is_symbolic(n)])
+
+
+def _data_dims(imp, node, i: int = 0) -> list:
+    dims = imp.dims(node.input[i])
+    if dims is None:
+        raise ImportFailure(f"the shape of its input {imp.describe(node.input[i])} is unknown")
+    return dims
+
+
+@converter("Reshape")
+def reshape(imp, node, attrs):
+    target = imp.known_input(node, 1)
+    if target is None:
+        return None
+    dims = _data_dims(imp, node)
+    out = [imp.sym.norm(v) for v in target.ints()]
+    if not attrs.get("allowzero", 0):
+        out = [dims[i] if isinstance(v, int) and v == 0 else v for i, v in enumerate(out)]
+    if any(isinstance(v, int) and v == -1 for v in out):
+        rest = [v for v in out if not (isinstance(v, int) and v == -1)]
+        total, known = _product(imp, dims), _product(imp, rest)
+        inferred = _divide(imp, dims, rest)
+        if inferred is None or not imp.sym.equal(imp.sym.expr(inferred) * imp.sym.expr(known), total):
+            raise ImportFailure(f"cannot reshape {imp.describe(node.input[0])} to "
+                                f"{imp.sym.dims_text(out)}: the -1 dimension does not divide evenly")
+        out = [inferred if isinstance(v, int) and v == -1 else v for v in out]
+    elif not imp.sym.equal(_product(imp, out), _product(imp, dims)):
+        raise ImportFailure(f"cannot reshape {imp.describe(node.input[0])} to {imp.sym.dims_text(out)}: "
+                            "the sizes cannot be proven equal")
+    return relax.op.reshape(imp.expr(node.input[0]), _shape_expr(imp, out))
+
+
+@converter("Expand")
+def expand(imp, node, attrs):
+    target = imp.known_input(node, 1)
+    if target is None:
+        return None
+    dims = _data_dims(imp, node)
+    wanted = [imp.sym.norm(v) for v in target.ints()]
+    out = imp.sym.broadcast(dims, wanted)
+    if None in out:
+        raise _unrelated(imp, node, [(node.input[0], dims), (node.input[1], wanted)], out)
+    data = imp.expr(node.input[0])
+    if len(out) == len(dims) and all(imp.sym.equal(a, b) for a, b in zip(out, dims)):
+        return data
+    return relax.op.broadcast_to(data, _shape_expr(imp, out))
+
+
+@converter("ConstantOfShape")
+def constant_of_shape(imp, node, attrs):
+    shape = imp.known_input(node, 0)
+    if shape is None:
+        return None
+    fill = onnx.numpy_helper.to_array(attrs["value"]).reshape(-1) if "value" in attrs else np.zeros(1, np.float32)
+    dtype = str(fill.dtype)
+    return relax.op.full(_shape_expr(imp, shape.ints()), relax.const(fill[0], dtype), dtype)
+
+
+@converter("Range")
+def range_(imp, node, attrs):
+    ks = [imp.known_input(node, i) for i in range(3)]
+    if any(k is None for k in ks) or not ks[0].symbolic and not ks[1].symbolic and not ks[2].symbolic:
+        return None
+    if ks[0].dtype.kind not in "iu":
+        raise ImportFailure("a float Range with symbolic bounds is not supported")
+    start, limit, delta = (k.ints()[0] for k in ks)
+    if is_symbolic(delta) or delta == 0:
+        raise ImportFailure("Range needs a constant, non-zero delta")
+    e = imp.sym.expr
+    span = e(limit) - e(start) if delta > 0 else e(start) - e(limit)
+    step = abs(delta)
+    count = imp.sym.norm(tirx.max(tirx.floordiv(span + (step - 1), e(step)), e(0)))
+    value = imp.emit(relax.op.arange(e(start), e(limit), e(delta), str(ks[0].dtype)))
+    return imp.ensure_shape(value, [count])
+
+
+def _clamp(imp, v, d):
+    """ONNX Slice bound ``v`` (positive step) on a dim of size ``d``: negative counts from
+    the end, then clamped to [0, d]; exporters' INT64_MAX means the end."""
+    if isinstance(v, int):
+        if v >= BIG:
+            return d
+        if v <= -BIG:
+            return 0
+        if v < 0:
+            v = imp.sym.norm(imp.sym.expr(d) + v) if is_symbolic(d) else d + v
+    if not is_symbolic(v) and not is_symbolic(d):
+        return max(min(v, d), 0)
+    e = imp.sym.expr
+    return imp.sym.norm(tirx.max(tirx.min(e(v), e(d)), e(0)))
+
+
+@converter("Slice")
+def slice_(imp, node, attrs):
+    if imp.opset < 10:
+        return None
+    starts, ends = imp.known_input(node, 1), imp.known_input(node, 2)
+    axes, steps = imp.known_input(node, 3), imp.known_input(node, 4)
+    if starts is None or ends is None or (len(node.input) > 3 and node.input[3] and axes is None) \
+            or (len(node.input) > 4 and node.input[4] and steps is None):
+        return None
+    dims = _data_dims(imp, node)
+    starts, ends = starts.ints(), ends.ints()
+    axes = [int(a) for a in axes.ints()] if axes is not None else list(range(len(starts)))
+    steps = steps.ints() if steps is not None else [1] * len(starts)
+    if any(is_symbolic(s) or s <= 0 for s in steps):
+        return None  # reversed slices: TVM's converter
+    axes = [a + len(dims) if a < 0 else a for a in axes]
+    e = imp.sym.expr
+    out = list(dims)
+    begins, stops, table_axes = [], [], []
+    for a, s, t, k in zip(axes, starts, ends, steps):
+        b, f = _clamp(imp, s, dims[a]), _clamp(imp, t, dims[a])
+        if isinstance(t, tirx.Var) and isinstance(dims[a], int) and b == 0 and k == 1:
+            # x[:seq] of a fixed-size table (position ids, token types): the model only
+            # works for seq <= the table's length. Assume it (the metadata carries the
+            # limit, the runtime enforces it), so the length is seq, and read the rows
+            # with clipped indices so that a caller bypassing the runtime stays in bounds.
+            if not imp.sym.prove(tirx.LE(t, e(dims[a]))):
+                imp.sym.limit(t, dims[a])
+            table_axes.append((a, t))
+            out[a] = t
+            continue
+        out[a] = imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
+        begins.append((a, e(b), e(f), e(k)))
+    value = imp.expr(node.input[0])
+    if begins:
+        value = imp.emit(relax.op.strided_slice(value, [a for a, *_ in begins], [b for _, b, _, _ in begins],
+                                                [f for _, _, f, _ in begins], [k for *_, k in begins],
+                                                assume_inbound=True))
+    for a, t in table_axes:
+        index = imp.emit(relax.op.arange(e(0), e(t), e(1), "int64"))
+        value = imp.emit(relax.op.take(value, index, axis=a, mode="clip"))
+    return imp.ensure_shape(value, out)
+
+
+@converter("Gather")
+def gather(imp, node, attrs):
+    """``take``; negative indices need no run-time normalization here: safe_gather's
+    ``mode="wrap"`` maps -1 to the last row, as ONNX does (and known indices are
+    normalized now)."""
+    dims = _data_dims(imp, node)
+    axis = attrs.get("axis", 0)
+    axis = axis + len(dims) if axis < 0 else axis
+    k = imp.known_input(node, 1)
+    if k is not None and not k.symbolic and isinstance(dims[axis], int):
+        idx = k.numpy().astype(np.int64)
+        idx = np.where(idx < 0, idx + dims[axis], idx)
+        indices = relax.const(idx, "int64")
+    else:
+        indices = imp.expr(node.input[1])
+    return relax.op.take(imp.expr(node.input[0]), indices, axis=axis)
+
+
+def _safe_indices(imp, indices: relax.Expr, extents: relax.Expr) -> relax.Expr:
+    """ONNX indices (negative counts from the end) made non-negative and clipped into
+    [0, extent - 1]: TVM's gather kernels read memory at any index they are given."""
+    dtype = indices.ty.dtype
+    if extents.ty.dtype != dtype:
+        extents = imp.emit(relax.op.astype(extents, dtype))
+    zero = relax.const(0, dtype)
+    wrapped = imp.emit(relax.op.where(relax.op.less(indices, zero), relax.op.add(indices, extents), indices))
+    top = imp.emit(relax.op.subtract(extents, relax.const(1, dtype)))
+    return imp.emit(relax.op.minimum(relax.op.maximum(wrapped, zero), top))
+
+
+@converter("GatherElements")
+def gather_elements(imp, node, attrs):
+    dims = _data_dims(imp, node)
+    axis = attrs.get("axis", 0)
+    axis = axis + len(dims) if axis < 0 else axis
+    indices = imp.expr(node.input[1])
+    extent = imp.values_tensor([dims[axis]])
+    extent = imp.emit(relax.op.reshape(extent, relax.ShapeExpr([])))
+    return relax.op.gather_elements(imp.expr(node.input[0]), _safe_indices(imp, indices, extent), axis)
+
+
+@converter("GatherND")
+def gather_nd(imp, node, attrs):
+    dims = _data_dims(imp, node)
+    batch_dims = attrs.get("batch_dims", 0)
+    indices = imp.expr(node.input[1])
+    idims = imp.dims(node.input[1])
+    if idims is None or not isinstance(idims[-1], int):
+        return None
+    extents = imp.values_tensor(dims[batch_dims:batch_dims + idims[-1]])
+    return relax.op.gather_nd(imp.expr(node.input[0]), _safe_indices(imp, indices, extents), batch_dims)
+
+
+@converter("Pow")
+def pow_(imp, node, attrs):
+    k = imp.known_input(node, 1)
+    if k is None or k.symbolic or k.values.size != 1:
+        return None
+    exponent = float(k.numpy().reshape(-1)[0])
+    x = imp.expr(node.input[0])
+    if exponent == 1.0:
+        return x
+    if exponent == 2.0:
+        return relax.op.multiply(x, x)
+    if exponent == 3.0:
+        x2 = imp.emit(relax.op.multiply(x, x))
+        return relax.op.multiply(x2, x)
+    if exponent == 0.5 and x.ty.dtype.startswith("float"):
+        return relax.op.sqrt(x)
+    return None
+
+
+BROADCASTING = ("Add", "Sub", "Mul", "Div", "Pow", "Mod", "Equal", "Less", "LessOrEqual", "Greater",
+                "GreaterOrEqual", "And", "Or", "Xor", "Where", "Max", "Min", "Sum", "Mean", "BitShift",
+                "BitwiseAnd", "BitwiseOr", "BitwiseXor", "PRelu")
+
+
+def broadcasting(imp, node, attrs, own=None):
+    """Derive the output dims first (a clear error if they cannot be related), convert,
+    and re-attach the derived dims where TVM's inference could not simplify them."""
+    named = [(n, imp.dims(n)) for n in node.input if n]
+    if any(d is None for _, d in named):
+        return None
+    out = named[0][1]
+    for _, d in named[1:]:
+        out = imp.sym.broadcast(out, d)
+        if None in out:
+            raise _unrelated(imp, node, named, out)
+    result = own(imp, node, attrs) if own is not None else None
+    if result is None:
+        result = imp.tvm_convert(node, attrs)
+    result = imp.bb.normalize(result)
+    if isinstance(result.ty, relax.TensorType) and result.ty.ndim == len(out):
+        return imp.ensure_shape(result, out)
+    return result
+
+
+for _op in BROADCASTING:
+    if _op == "Pow":
+        CONVERTERS[_op] = lambda imp, node, attrs: broadcasting(imp, node, attrs, pow_)
+    else:
+        CONVERTERS[_op] = broadcasting
+
+
+def _unrelated(imp, node, named, out) -> ImportFailure:
+    width = len(out)
+    bad = [i for i, d in enumerate(out) if d is None]
+    parts = []
+    for name, dims in named:
+        padded = [1] * (width - len(dims)) + list(dims)
+        parts.append(f"'{name}' {imp.sym.dims_text(dims)} (axis {', '.join(str(i - width) for i in bad)}: "
+                     f"{', '.join(imp.sym.text(padded[i]) for i in bad)})")
+    return ImportFailure(
+        f"the symbolic dims of {' and '.join(parts)} cannot be related (neither provably equal nor 1)",
+        "if they are equal, give them one name (or an expression such as 'past + seq') in the export's "
+        "dynamic axes; otherwise the model is not valid ONNX for these shapes")

@@ -1,0 +1,557 @@
+"""Symbolic shape values: the "shape computing operators" of an ONNX graph, folded at import.
+
+Exporters compute sizes at run time: ``Shape -> Gather -> Unsqueeze -> Concat ->
+Reshape``, ``ConstantOfShape`` of a computed shape, ``Range(0, seq)``, ``Expand`` to a
+shape read off another tensor. TVM's importer turns many of those into tensors of
+unknown content, and every shape downstream of them into a fresh symbol unrelated to
+``seq`` (or into no shape at all). Here every small integer tensor whose content
+follows from the input symbols is evaluated at compile time instead, element by
+element, as a TIR expression over those symbols (Transformer-Lite's symbolic-expression
+shape derivation): ``Shape(x)[1]`` *is* ``seq``, ``seq * 4 // 4`` simplifies back to it,
+and nothing of the shape subgraph runs per call. A value is tracked when it has at most
+``MAX_ELEMENTS`` elements and each element is an int, bool, float (numeric only) or an
+int64/bool TIR expression.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+import tvm
+from tvm import tirx
+from tvm.sym import Analyzer, ConstIntBound
+
+from qtvm import dims as dimexpr
+
+MAX_ELEMENTS = 64  # shape tensors are rank-sized; anything larger is data
+BIG = 1 << 62  # slice ends at or past this mean "to the end" (exporters use INT64_MAX)
+
+
+def is_symbolic(x) -> bool:
+    return tvm.ir.is_prim_expr(x) and not isinstance(x, tirx.IntImm)
+
+
+class Symbols:
+    """The graph's dimension symbols (int64 TIR vars, each >= ``minimum``) and the analyzer
+    that simplifies and compares expressions over them."""
+
+    def __init__(self, minimum: int = 0):
+        self.minimum = minimum
+        self.vars: dict[str, tirx.Var] = {}
+        self.limits: dict[str, int] = {}  # symbol -> largest value the model accepts
+        self.analyzer = Analyzer()
+
+    def limit(self, var: tirx.Var, bound: int) -> None:
+        """Assume ``var <= bound`` from here on (a model's position table length); the
+        artefact's metadata carries it so the runtime refuses larger inputs."""
+        current = self.limits.get(var.name, bound)
+        self.limits[var.name] = min(current, bound)
+        self.analyzer.update(var, ConstIntBound(self.minimum, self.limits[var.name]), override=True)
+
+    def var(self, name: str) -> tirx.Var:
+        if name not in self.vars:
+            v = tirx.Var(name, "int64")
+            self.analyzer.update(v, ConstIntBound(self.minimum, ConstIntBound.POS_INF))
+            self.vars[name] = v
+        return self.vars[name]
+
+    def dim(self, text: str):
+        """An ONNX dim_param (a symbol or an expression such as ``past + seq``) as an int64 expression."""
+        value = dimexpr.evaluate(text, {k: v for k, v in self.vars.items()}, self.var)
+        return self.norm(value)
+
+    def norm(self, x):
+        """Simplified: a Python int/bool when constant, else a TIR expression."""
+        if isinstance(x, (bool, np.bool_)):
+            return bool(x)
+        if isinstance(x, (int, np.integer)):
+            return int(x)
+        if isinstance(x, (float, np.floating)):
+            return float(x)
+        x = self.analyzer.simplify(x)
+        if isinstance(x, tirx.IntImm):
+            return bool(x.value) if str(x.ty) == "bool" else int(x.value)
+        return x
+
+    def expr(self, x):
+        """int/bool -> IntImm (int64 or bool), TIR expressions as they are."""
+        if isinstance(x, (bool, np.bool_)):
+            return tirx.IntImm("bool", int(x))
+        if isinstance(x, (int, np.integer)):
+            return tirx.IntImm("int64", int(x))
+        return x
+
+    def equal(self, a, b) -> bool:
+        a, b = self.norm(a), self.norm(b)
+        if not is_symbolic(a) and not is_symbolic(b):
+            return a == b
+        if self.analyzer.can_prove_equal(self.expr(a), self.expr(b)):
+            return True
+        return _polynomial(a) == _polynomial(b)  # TVM's simplifier does not distribute a * (b + c)
+
+    def is_one(self, a) -> bool:
+        return self.equal(a, 1)
+
+    def prove(self, cond) -> bool:
+        cond = self.norm(cond)
+        return cond if isinstance(cond, bool) else self.analyzer.can_prove(cond)
+
+    def text(self, x) -> str:
+        return dim_text(self.norm(x))
+
+    def dims_text(self, dims) -> str:
+        return "[" + ", ".join(self.text(d) for d in dims) + "]" if dims is not None else "[unknown]"
+
+    def broadcast(self, a: list, b: list):
+        """Multidirectional (numpy) broadcast of two dim lists; None at a position whose
+        dims cannot be related (neither provably 1 nor provably equal)."""
+        n = max(len(a), len(b))
+        a = [1] * (n - len(a)) + list(a)
+        b = [1] * (n - len(b)) + list(b)
+        out = []
+        for x, y in zip(a, b):
+            if self.equal(x, y) or self.is_one(y):
+                out.append(self.norm(x))
+            elif self.is_one(x):
+                out.append(self.norm(y))
+            else:
+                out.append(None)
+        return out
+
+
+def dim_text(e) -> str:
+    """A dim in the dim_param syntax of ``qtvm.dims`` (``past + seq``, ``seq * 2``);
+    anything else in TVM's own notation."""
+    if isinstance(e, (bool, int)):
+        return str(int(e))
+    if isinstance(e, tirx.IntImm):
+        return str(e.value)
+    if isinstance(e, tirx.Var):
+        return e.name
+    binary = {tirx.Add: " + ", tirx.Sub: " - ", tirx.Mul: " * ", tirx.FloorDiv: " // "}
+    for kind, sep in binary.items():
+        if isinstance(e, kind):
+            a, b = dim_text(e.a), dim_text(e.b)
+            if kind is not tirx.Add:  # operands of lower precedence get parentheses
+                low = (tirx.Add, tirx.Sub) if kind is not tirx.Sub else ()
+                a = f"({a})" if isinstance(e.a, low) else a
+                b = f"({b})" if isinstance(e.b, (tirx.Add, tirx.Sub, *((tirx.Mul, tirx.FloorDiv)
+                                                                       if kind is tirx.FloorDiv else ()))) else b
+            return a + sep + b
+    if isinstance(e, (tirx.Min, tirx.Max)):
+        return f"{type(e).__name__.lower()}({dim_text(e.a)}, {dim_text(e.b)})"
+    return str(e)
+
+
+def _polynomial(e) -> dict:
+    """``e`` expanded into {monomial: coefficient}, a monomial being the sorted tuple of
+    its factors (variables by name; anything but + - * is one opaque factor)."""
+    if isinstance(e, (bool, int)):
+        return {(): int(e)} if e else {}
+    if isinstance(e, tirx.IntImm):
+        return {(): int(e.value)} if e.value else {}
+    if isinstance(e, (tirx.Add, tirx.Sub)):
+        out = dict(_polynomial(e.a))
+        sign = 1 if isinstance(e, tirx.Add) else -1
+        for m, c in _polynomial(e.b).items():
+            out[m] = out.get(m, 0) + sign * c
+        return {m: c for m, c in out.items() if c}
+    if isinstance(e, tirx.Mul):
+        out: dict = {}
+        for ma, ca in _polynomial(e.a).items():
+            for mb, cb in _polynomial(e.b).items():
+                m = tuple(sorted(ma + mb))
+                out[m] = out.get(m, 0) + ca * cb
+        return {m: c for m, c in out.items() if c}
+    name = e.name if isinstance(e, tirx.Var) else str(e)
+    return {(name,): 1}
+
+
+@dataclass
+class Known:
+    """A tensor whose every element is known at compile time (ints, bools, floats or
+    TIR expressions over the dimension symbols), with its ONNX-side numpy dtype."""
+
+    values: np.ndarray  # dtype=object
+    dtype: np.dtype
+
+    @property
+    def symbolic(self) -> bool:
+        return any(is_symbolic(v) for v in self.values.flat)
+
+    def numpy(self) -> np.ndarray:
+        assert not self.symbolic
+        return np.array(self.values.tolist(), dtype=self.dtype).reshape(self.values.shape)
+
+    def ints(self) -> list:
+        """The values as a flat list (shapes, axes, starts...)."""
+        return list(self.values.flat)
+
+
+def objects(items: list) -> np.ndarray:
+    """A 1-D object array of ``items`` (numpy must not look inside TIR expressions)."""
+    out = np.empty(len(items), dtype=object)
+    for i, v in enumerate(items):
+        out[i] = v
+    return out
+
+
+def known_from_numpy(array: np.ndarray) -> Known | None:
+    if array.size > MAX_ELEMENTS or array.dtype.kind not in "biuf":
+        return None
+    values = np.empty(array.shape, dtype=object)
+    for idx in np.ndindex(array.shape):
+        values[idx] = array[idx].item()
+    return Known(values, array.dtype)
+
+
+def constant_array(attrs: dict) -> np.ndarray:
+    """The value of an ONNX Constant node from its (parsed) attributes."""
+    if "value" in attrs:
+        return numpy_helper.to_array(attrs["value"])
+    if "value_float" in attrs:
+        return np.array(attrs["value_float"], dtype=np.float32)
+    if "value_floats" in attrs:
+        return np.array(attrs["value_floats"], dtype=np.float32)
+    if "value_int" in attrs:
+        return np.array(attrs["value_int"], dtype=np.int64)
+    if "value_ints" in attrs:
+        return np.array(attrs["value_ints"], dtype=np.int64)
+    raise ValueError(f"Constant with attributes {sorted(attrs)} is not supported")
+
+
+# ----------------------------------------------------------------------------------
+# Evaluation of one node on known values
+
+
+class _Skip(Exception):
+    """This node's output is not a trackable value (too big, float symbolic, ...)."""
+
+
+def _elementwise(fn, *arrays) -> np.ndarray:
+    arrays = np.broadcast_arrays(*arrays)
+    out = np.empty(arrays[0].shape, dtype=object)
+    for idx in np.ndindex(out.shape):
+        out[idx] = fn(*(a[idx] for a in arrays))
+    return out
+
+
+def _array(x) -> np.ndarray:
+    """numpy returns a bare element where a 0-d result is meant."""
+    if isinstance(x, np.ndarray):
+        return x
+    out = np.empty((), dtype=object)
+    out[()] = x
+    return out
+
+
+def _int_of(np_dtype) -> bool:
+    return np.dtype(np_dtype).kind in "iu"
+
+
+class Folder:
+    """Evaluates shape-computing nodes on Known inputs. ``fold`` returns the outputs' Known
+    values, or None when the node has to be converted as data."""
+
+    def __init__(self, symbols: Symbols):
+        self.sym = symbols
+
+    def fold(self, op: str, attrs: dict, inputs: list, shape_of) -> list[Known] | None:
+        """``inputs``: Known or None per ONNX input (None also for absent optional inputs);
+        ``shape_of(i)``: the dims of input i (for Shape/Size on data tensors) or None."""
+        method = getattr(self, f"_{op}", None)
+        if method is None:
+            return None
+        try:
+            out = method(attrs, inputs, shape_of)
+        except _Skip:
+            return None
+        outs = out if isinstance(out, list) else [out]
+        for k in outs:
+            if k is None or k.values.size > MAX_ELEMENTS:
+                return None
+        return outs
+
+    # -- helpers ---------------------------------------------------------------
+    def _need(self, inputs, *idx) -> list[Known]:
+        got = [inputs[i] if i < len(inputs) else None for i in idx]
+        if any(k is None for k in got):
+            raise _Skip
+        return got
+
+    def _numeric(self, k: Known | None) -> np.ndarray | None:
+        if k is None:
+            return None
+        if k.symbolic:
+            raise _Skip
+        return k.numpy()
+
+    def _make(self, values: np.ndarray, dtype) -> Known:
+        out = np.empty(values.shape, dtype=object)
+        for idx in np.ndindex(values.shape):
+            out[idx] = self.sym.norm(values[idx])
+        if np.dtype(dtype).kind == "f" and any(is_symbolic(v) for v in out.flat):
+            raise _Skip
+        return Known(out, np.dtype(dtype))
+
+    def _binary(self, inputs, num, sym, out_dtype=None) -> Known:
+        a, b = self._need(inputs, 0, 1)
+        dtype = np.dtype(out_dtype) if out_dtype is not None else a.dtype
+        if not a.symbolic and not b.symbolic:
+            return self._make(np.asarray(num(a.numpy(), b.numpy())).astype(dtype), dtype)
+        if not (_int_of(a.dtype) or a.dtype == np.bool_):
+            raise _Skip
+        e = self.sym.expr
+        return self._make(_elementwise(lambda x, y: sym(e(x), e(y)), a.values, b.values), dtype)
+
+    # -- shape sources -----------------------------------------------------------
+    def _Shape(self, attrs, inputs, shape_of):
+        dims = list(inputs[0].values.shape) if inputs[0] is not None else shape_of(0)
+        if dims is None:
+            raise _Skip
+        n = len(dims)
+        start, end = attrs.get("start", 0), attrs.get("end", n)
+        start, end = (start + n if start < 0 else start), (end + n if end < 0 else end)
+        return self._make(objects(dims[max(0, min(start, n)):max(0, min(end, n))]), np.int64)
+
+    def _Size(self, attrs, inputs, shape_of):
+        dims = list(inputs[0].values.shape) if inputs[0] is not None else shape_of(0)
+        if dims is None:
+            raise _Skip
+        total = 1
+        for d in dims:
+            total = total * self.sym.expr(d) if is_symbolic(d) or is_symbolic(total) else total * d
+        return self._make(objects([total]).reshape(()), np.int64)
+
+    def _Constant(self, attrs, inputs, shape_of):
+        k = known_from_numpy(constant_array(attrs))
+        if k is None:
+            raise _Skip
+        return k
+
+    def _ConstantOfShape(self, attrs, inputs, shape_of):
+        shape = self._numeric(self._need(inputs, 0)[0])
+        if "value" in attrs:
+            fill = numpy_helper.to_array(attrs["value"]).reshape(-1)[0]
+        else:
+            fill = np.float32(0)
+        if int(np.prod(shape)) > MAX_ELEMENTS:
+            raise _Skip
+        return self._make(np.full([int(s) for s in shape], fill, dtype=fill.dtype), fill.dtype)
+
+    def _Range(self, attrs, inputs, shape_of):
+        start, limit, delta = (self._numeric(k) for k in self._need(inputs, 0, 1, 2))
+        count = max(int(math.ceil((float(limit) - float(start)) / float(delta))), 0)
+        if count > MAX_ELEMENTS:
+            raise _Skip
+        values = start + np.arange(count, dtype=start.dtype) * delta
+        return self._make(values.astype(start.dtype), start.dtype)
+
+    # -- data movement -------------------------------------------------------------
+    def _Identity(self, attrs, inputs, shape_of):
+        return self._need(inputs, 0)[0]
+
+    def _Cast(self, attrs, inputs, shape_of):
+        (a,) = self._need(inputs, 0)
+        to = onnx.helper.tensor_dtype_to_np_dtype(attrs["to"])
+        return self._cast(a, to)
+
+    def _CastLike(self, attrs, inputs, shape_of):
+        a, like = self._need(inputs, 0, 1)
+        return self._cast(a, like.dtype)
+
+    def _cast(self, a: Known, to) -> Known:
+        to = np.dtype(to)
+        if not a.symbolic:
+            return self._make(a.numpy().astype(to), to)
+        if _int_of(to) and (_int_of(a.dtype) or a.dtype == np.bool_):
+            return self._make(_elementwise(lambda x: tirx.Cast("int64", self.sym.expr(x)), a.values), to)
+        if to == np.bool_ and _int_of(a.dtype):
+            return self._make(_elementwise(lambda x: tirx.NE(self.sym.expr(x), self.sym.expr(0)), a.values), to)
+        raise _Skip
+
+    def _Gather(self, attrs, inputs, shape_of):
+        data, idx = self._need(inputs, 0, 1)
+        idx = self._numeric(idx)
+        return Known(_array(np.take(data.values, idx, axis=attrs.get("axis", 0))), data.dtype)
+
+    def _axes(self, attrs, inputs, i) -> list[int] | None:
+        if "axes" in attrs:
+            return list(attrs["axes"])
+        k = inputs[i] if i < len(inputs) else None
+        return None if k is None else [int(v) for v in self._numeric(k).reshape(-1)]
+
+    def _Unsqueeze(self, attrs, inputs, shape_of):
+        (data,) = self._need(inputs, 0)
+        axes = self._axes(attrs, inputs, 1)
+        rank = data.values.ndim + len(axes)
+        values = data.values
+        for ax in sorted(a + rank if a < 0 else a for a in axes):
+            values = np.expand_dims(values, ax)
+        return Known(values, data.dtype)
+
+    def _Squeeze(self, attrs, inputs, shape_of):
+        (data,) = self._need(inputs, 0)
+        axes = self._axes(attrs, inputs, 1)
+        values = data.values
+        axes = [i for i, s in enumerate(values.shape) if s == 1] if axes is None else axes
+        return Known(np.squeeze(values, tuple(a % values.ndim for a in axes)), data.dtype)
+
+    def _Reshape(self, attrs, inputs, shape_of):
+        data, shape = self._need(inputs, 0, 1)
+        shape = [int(s) for s in self._numeric(shape)]
+        if not attrs.get("allowzero", 0):
+            shape = [data.values.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+        return Known(data.values.reshape(shape), data.dtype)
+
+    def _Flatten(self, attrs, inputs, shape_of):
+        (data,) = self._need(inputs, 0)
+        axis = attrs.get("axis", 1)
+        axis = axis + data.values.ndim if axis < 0 else axis
+        lead = int(np.prod(data.values.shape[:axis]))
+        return Known(data.values.reshape(lead, -1), data.dtype)
+
+    def _Concat(self, attrs, inputs, shape_of):
+        parts = self._need(inputs, *range(len(inputs)))
+        return Known(np.concatenate([p.values for p in parts], axis=attrs["axis"]), parts[0].dtype)
+
+    def _Slice(self, attrs, inputs, shape_of):
+        data, starts, ends = self._need(inputs, 0, 1, 2)
+        starts, ends = self._numeric(starts), self._numeric(ends)
+        axes = self._numeric(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else range(len(starts))
+        steps = self._numeric(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else [1] * len(starts)
+        index = [slice(None)] * data.values.ndim
+        for s, e, a, st in zip(starts, ends, axes, steps):
+            index[int(a)] = slice(int(s), int(e), int(st))
+        return Known(data.values[tuple(index)], data.dtype)
+
+    def _Expand(self, attrs, inputs, shape_of):
+        data, shape = self._need(inputs, 0, 1)
+        shape = [int(s) for s in self._numeric(shape)]
+        target = np.broadcast_shapes(data.values.shape, tuple(shape))
+        return Known(np.array(np.broadcast_to(data.values, target)), data.dtype)
+
+    def _Tile(self, attrs, inputs, shape_of):
+        data, reps = self._need(inputs, 0, 1)
+        return Known(np.tile(data.values, [int(r) for r in self._numeric(reps)]), data.dtype)
+
+    def _Split(self, attrs, inputs, shape_of):
+        (data,) = self._need(inputs, 0)
+        axis = attrs.get("axis", 0)
+        sizes = attrs.get("split")
+        if sizes is None and len(inputs) > 1 and inputs[1] is not None:
+            sizes = [int(s) for s in self._numeric(inputs[1])]
+        if sizes is None:
+            raise _Skip  # even split: the number of outputs is not known here
+        cuts = np.cumsum(sizes)[:-1]
+        return [Known(part, data.dtype) for part in np.split(data.values, cuts, axis=axis)]
+
+    # -- arithmetic ----------------------------------------------------------------
+    def _Add(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.add, lambda x, y: x + y)
+
+    def _Sub(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.subtract, lambda x, y: x - y)
+
+    def _Mul(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.multiply, lambda x, y: x * y)
+
+    def _Div(self, attrs, inputs, shape_of):
+        a = self._need(inputs, 0)[0]
+        if _int_of(a.dtype):  # ONNX integer Div truncates toward zero (as C does)
+            def trunc_div(x, y):
+                return (np.abs(x) // np.abs(y)) * np.sign(x) * np.sign(y)
+            return self._binary(inputs, trunc_div, tirx.truncdiv)
+        return self._binary(inputs, np.divide, None)
+
+    def _Mod(self, attrs, inputs, shape_of):
+        if attrs.get("fmod", 0):
+            return self._binary(inputs, np.fmod, tirx.truncmod)
+        return self._binary(inputs, np.mod, tirx.floormod)
+
+    def _Neg(self, attrs, inputs, shape_of):
+        (a,) = self._need(inputs, 0)
+        return self._make(_elementwise(lambda x: -x, a.values), a.dtype)
+
+    def _Abs(self, attrs, inputs, shape_of):
+        (a,) = self._need(inputs, 0)
+        return self._make(_elementwise(lambda x: tirx.abs(x) if is_symbolic(x) else abs(x), a.values), a.dtype)
+
+    def _minmax(self, inputs, num, sym):
+        parts = self._need(inputs, *range(len(inputs)))
+        out = parts[0]
+        for p in parts[1:]:
+            out = self._binary([out, p], num, sym)
+        return out
+
+    def _Max(self, attrs, inputs, shape_of):
+        return self._minmax(inputs, np.maximum, tirx.max)
+
+    def _Min(self, attrs, inputs, shape_of):
+        return self._minmax(inputs, np.minimum, tirx.min)
+
+    def _Equal(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.equal, tirx.EQ, np.bool_)
+
+    def _Less(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.less, tirx.LT, np.bool_)
+
+    def _LessOrEqual(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.less_equal, tirx.LE, np.bool_)
+
+    def _Greater(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.greater, tirx.GT, np.bool_)
+
+    def _GreaterOrEqual(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.greater_equal, tirx.GE, np.bool_)
+
+    def _And(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.logical_and, tirx.And, np.bool_)
+
+    def _Or(self, attrs, inputs, shape_of):
+        return self._binary(inputs, np.logical_or, tirx.Or, np.bool_)
+
+    def _Not(self, attrs, inputs, shape_of):
+        (a,) = self._need(inputs, 0)
+        return self._make(_elementwise(lambda x: tirx.Not(x) if is_symbolic(x) else not x, a.values), np.bool_)
+
+    def _Where(self, attrs, inputs, shape_of):
+        c, a, b = self._need(inputs, 0, 1, 2)
+        if not (c.symbolic or a.symbolic or b.symbolic):
+            return self._make(np.where(c.numpy(), a.numpy(), b.numpy()), a.dtype)
+        if not _int_of(a.dtype):
+            raise _Skip
+        e = self.sym.expr
+
+        def pick(cond, x, y):
+            cond = self.sym.norm(cond)
+            if isinstance(cond, bool):
+                return x if cond else y
+            return tirx.Select(cond, e(x), e(y))
+        return self._make(_elementwise(pick, c.values, a.values, b.values), a.dtype)
+
+    def _reduce(self, attrs, inputs, combine):
+        (data,) = self._need(inputs, 0)
+        axes = self._axes(attrs, inputs, 1)
+        keep = attrs.get("keepdims", 1)
+        values = data.values
+        axes = list(range(values.ndim)) if not axes else [a % values.ndim for a in axes]
+        for ax in sorted(axes, reverse=True):
+            moved = np.moveaxis(values, ax, 0)
+            acc = moved[0].copy() if moved.shape[0] else None
+            if acc is None:
+                raise _Skip
+            for i in range(1, moved.shape[0]):
+                acc = _elementwise(combine, acc, moved[i])
+            values = np.expand_dims(acc, ax) if keep else acc
+        return self._make(np.asarray(values, dtype=object), data.dtype)
+
+    def _ReduceProd(self, attrs, inputs, shape_of):
+        return self._reduce(attrs, inputs, lambda x, y: self.sym.expr(x) * self.sym.expr(y))
+
+    def _ReduceSum(self, attrs, inputs, shape_of):
+        return self._reduce(attrs, inputs, lambda x, y: self.sym.expr(x) + self.sym.expr(y))

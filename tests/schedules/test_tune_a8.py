@@ -1,0 +1,169 @@
+"""Tuning the int8-activation kernels: their design space, tuning into a database with the
+cold-weight runner, and the tuned model against the int8-rounded reference."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+from qtvm import ops
+from qtvm.formats import get_format
+from qtvm.pipeline import build_module
+from qtvm.target import parse_target
+from schedules import tune, tune_a8, tune_runner
+from tests.kernels import NB, int8_rounded_reference, rel_err, run_a8
+
+PRESET, K, N = "int4-g128", 300, 200  # K not a multiple of the group, N of the column block
+
+
+@pytest.fixture(scope="module")
+def target():
+    return parse_target("host")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, target):
+    w = (np.random.default_rng(0).standard_normal((K, N)) * 0.1).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="fc")], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", N])],
+        [numpy_helper.from_array(w, "w")])
+    path = tmp_path_factory.mktemp("model") / "mm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    mod, _meta, _summary, _notes = build_module(path, target, PRESET, "int8")
+    return path, w, mod
+
+
+def _a8_kernels(mod):
+    return {str(f.attrs[ops.KERNEL_ATTR]): (gv, f) for gv, f in tune.qtvm_kernels(mod)
+            if str(f.attrs[ops.KERNEL_ATTR]) in tune_a8.KINDS}
+
+
+def test_space_has_a_design_space_per_streams_and_prefetch(model, target):
+    kernels = _a8_kernels(model[2])
+    assert set(kernels) == set(tune_a8.KINDS)
+    for kind, (_gv, func) in kernels.items():
+        compute, why = tune.unscheduled_kernel(func, target)
+        assert compute is not None, why
+        space = tune.space_of(compute, target)
+        assert isinstance(space, tune_a8.A8KnobSpace)
+        assert (0, 0) in space.prefetch and len(space.prefetch) >= 8
+        assert space.streams == ((1,) if kind == "qmatmul_a8_gemm" else (1, 2))  # 4 column blocks
+        spaces = space.design_spaces(tvm.s_tir.Schedule(tune.workload_of(compute)["main"]))
+        assert len(spaces) == len(space.streams) * len(space.prefetch)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"streams": 2, "tile_cols": 32, "prefetch_bytes": 0, "prefetch_locality": 0, "unroll": 256},
+    {"streams": 1, "tile_cols": 16, "prefetch_bytes": 2048, "prefetch_locality": 3, "unroll": 0},
+])
+def test_gemv_space_points_compute_the_rounded_product(knobs, target):
+    fmt = get_format(PRESET)
+    compute = ops.qmatmul_a8_func(fmt, K, 256, NB)  # 4 column blocks
+    space = tune_a8.A8KnobSpace.of(compute, target)
+    func = space.schedule(compute, knobs).mod["main"]
+    assert tune.kernel_knobs(func) == knobs
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    rng = np.random.default_rng(1)
+    qt = fmt.quantize(rng.standard_normal((K, 256)).astype(np.float32))
+    for m in (1, 3):
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        got, _ = run_a8(target, fmt, qt, x, lib=lib)
+        assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
+
+
+def test_prefill_space_point_computes_the_rounded_product(target):
+    fmt = get_format("int3-g64")
+    compute = ops.qmatmul_a8_gemm_func(fmt, K, N, NB, 4)
+    space = tune_a8.A8KnobSpace.of(compute, target)
+    knobs = {"streams": 1, "tile_cols": 0, "prefetch_bytes": 4096, "prefetch_locality": 3, "unroll": 256}
+    lib = tvm.compile(tvm.IRModule({"main": space.schedule(compute, knobs).mod["main"]}), target=target)
+    rng = np.random.default_rng(2)
+    qt = fmt.quantize(rng.standard_normal((K, N)).astype(np.float32))
+    for m in (1, 5, 67):
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        got, _ = run_a8(target, fmt, qt, x, row_tile=4, lib=lib)
+        assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tuned(model, target, tmp_path_factory):
+    """6 trials with a small rotation (the runner's logic, at a test's cost)."""
+    db_dir = tmp_path_factory.mktemp("tune") / "db"
+    make = tune.make_runner
+    tune.make_runner = lambda: tune_runner.ColdRunner(rounds=2, calls_per_round=8, min_total_bytes=8 << 20,
+                                                      l3_bytes=1 << 20)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            report = tune.tune_kernels(model[2], target, db_dir, 6, progress=True, seed=3)
+    finally:
+        tune.make_runner = make
+    return db_dir, report
+
+
+def test_tuning_records_the_knobs_and_the_machine(tuned, model, target):
+    db_dir, report = tuned
+    rows = {r.name: r for r in report.kernels}
+    assert len(rows) == 2
+    for row in rows.values():
+        assert row.analytic_s and row.analytic_knobs["streams"] == 1
+    record = tune_runner.read_machine(db_dir)
+    assert record["runner"] == "cold-weights" and record["cpu_model"] and "family" in record["cpu_id"]
+    assert any("cold-weights" in note for note in report.notes)
+    db = tune.open_database(db_dir, create=False)
+    for _kind, (_gv, func) in _a8_kernels(model[2]).items():
+        compute, _ = tune.unscheduled_kernel(func, target)
+        knobs = [tune.trace_knobs(r.trace) for r in db.get_top_k(db.commit_workload(tune.workload_of(compute)), 100)]
+        assert knobs and all(set(k) == set(tune_a8.KNOB_NAMES) for k in knobs)
+
+
+def test_tuned_model_computes_the_rounded_product(tuned, model, target):
+    db_dir, _ = tuned
+    _path, w, mod = model
+    new, notes = tune.apply_database(mod, target, db_dir)
+    assert len(notes) == 2, notes  # one per int8 kernel: tuned, or why not
+    fmt = get_format(PRESET)
+    qt = fmt.quantize(w)
+    vm = relax.VirtualMachine(tvm.compile(new, target=target), tvm.cpu())
+    rng = np.random.default_rng(4)
+    for m in (1, 3, 64, 67):  # the GEMV (M <= 2) and the prefill kernel with tail rows
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        y = vm["main"](tvm.runtime.tensor(x)).numpy()
+        assert rel_err(y, int8_rounded_reference(x, fmt, qt)) < 1e-5
+
+
+def test_a_database_of_another_cpu_is_refused(tmp_path):
+    from qtvm.errors import QtvmError
+
+    db_dir = tmp_path / "db"
+    db_dir.mkdir()
+    rec = tune_runner.record_machine(db_dir)
+    assert tune_runner.record_machine(db_dir) == rec  # same machine: accepted
+    other = dict(rec, cpu_model="Some Other CPU")
+    (db_dir / tune_runner.MACHINE_FILE).write_text(__import__("json").dumps(other))
+    with pytest.raises(QtvmError, match="Some Other CPU"):
+        tune_runner.record_machine(db_dir)
+    assert tune_runner.machine_note(db_dir).startswith("warning:")
+
+
+def test_cold_runner_rotates_more_than_the_cache(target):
+    fmt = get_format(PRESET)
+    func = ops.qmatmul_a8_func(fmt, K, N, NB)
+    from schedules import compile_kernel
+
+    lib = compile_kernel(tune.specialize_rows(func, 1), target)
+    runner = tune_runner.ColdRunner(rounds=3, calls_per_round=4, min_total_bytes=1 << 20, l3_bytes=1 << 18)
+    info = tvm.s_tir.meta_schedule.arg_info.ArgInfo.from_prim_func(tune.specialize_rows(func, 1))
+    secs = runner.time_function(lib["main"], info)
+    assert len(secs) == 3 and all(s > 0 for s in secs)
+    (copies,) = runner._copies.values()
+    per_copy = sum(t.numpy().nbytes for t in copies[0])
+    assert len(copies) * per_copy >= max(tune_runner.L3_MULTIPLE * (1 << 18), 1 << 20)
+    assert copies[1][3].numpy().ctypes.data != copies[0][3].numpy().ctypes.data

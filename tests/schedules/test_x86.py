@@ -1,0 +1,93 @@
+"""The int8-activation GEMV rule's knobs: every setting the tuner may pick computes
+x_hat @ W_hat exactly, and the hot loop issues the instructions it is meant to."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from qtvm import ops
+from qtvm.bench.asm_loops import block_mix
+from qtvm.formats import get_format
+from qtvm.intrin import x86 as intrin
+from schedules import x86
+from tests.kernels import ISA_TARGETS, NB, RUNNABLE, int8_rounded_reference, rel_err, run_a8
+
+KNOBS = [
+    {"streams": 2},  # two column blocks per task (N = 200: the second task's last block is partial)
+    {"tile_cols": 16},  # four 16-column passes over each group's rows
+    {"tile_cols": 32, "prefetch": (0, 0)},  # no software prefetch
+    {"prefetch": (2048, 3)},  # another prefetch distance and level
+]
+
+
+CASES = [("int4-g128", 1000, knobs) for knobs in KNOBS] + [("int3-g64", 300, KNOBS[0]), ("int2-g32", 200, KNOBS[1])]
+ISAS = sorted({"avx2", RUNNABLE[-1]})  # AVX2 and the widest ISA this host runs
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("preset,k,knobs", CASES,
+                         ids=[f"{p}-" + "-".join(f"{n}{v}" for n, v in kn.items()) for p, _, kn in CASES])
+def test_gemv_knobs_compute_the_rounded_product(isa, knobs, preset, k):
+    fmt = get_format(preset)
+    rng = np.random.default_rng(k)
+    qt = fmt.quantize(rng.standard_normal((k, 200)).astype(np.float32))
+    target = ISA_TARGETS[isa]
+    sch = x86.schedule_qmatmul_a8_x86(ops.qmatmul_a8_func(fmt, k, 200, NB), target, **knobs)
+    lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
+    for m in (1, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        got, _ = run_a8(target, fmt, qt, x, lib=lib)
+        assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
+
+
+def test_knobs_that_do_not_fit_the_shape_are_refused():
+    fmt = get_format("int4-g128")
+    func = ops.qmatmul_a8_func(fmt, 256, 150, NB)  # 3 column blocks
+    with pytest.raises(ValueError, match="tile_cols"):
+        x86.schedule_qmatmul_a8_x86(func, ISA_TARGETS["avx2"], tile_cols=24)
+    with pytest.raises(ValueError, match="streams"):
+        x86.schedule_qmatmul_a8_x86(func, ISA_TARGETS["avx2"], streams=2)
+
+
+def test_prefetch_bytes_become_rows_of_the_blocked_array():
+    assert x86.prefetch_rows((6144, 2), 64) == (24, 2)  # 256-byte rows
+    assert x86.prefetch_rows((4096, 3), 16) == (64, 3)
+    assert x86.prefetch_rows((0, 3), 64) == (0, 0)
+    assert intrin.intrin_name(4, "avx2", (24, 2)) == intrin.intrin_name(4, "avx2")  # the default
+    assert intrin.intrin_name(4, "avx2", (0, 0)).endswith("_nopf")
+
+
+def _mix(preset: str, isa: str, **knobs):
+    func = ops.qmatmul_a8_func(get_format(preset), 4096, 256, NB)
+    sch = x86.schedule_qmatmul_a8_x86(func, ISA_TARGETS[isa], **knobs)
+    lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=ISA_TARGETS[isa])
+    return block_mix(lib.mod.inspect_source("asm"), isa)
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avxvnni"])
+def test_vnni_int4_block_masks_in_place(isa):
+    """Per 32-value block of a column vector: 8 vpdpbusd, 8 masks, no per-unit shift
+    (the high nibbles' dot is shifted back once), no stores: with 16 ymm a 16-column pass."""
+    m = _mix("int4-g128", isa, tile_cols=16 if isa == "avxvnni" else None)
+    assert m.blocks >= 1
+    assert m.count("vpdpbusd") == 8
+    assert m.count("vpand") == 8
+    assert m.count("vpsrld") == 0 and m.count("vpsrad") == 1
+    assert m.count("vmovdqu") == 0  # the int32 dots stay in registers
+    assert m.per_block <= 36
+
+
+@pytest.mark.parametrize("isa", ["avx512bw", "avx2"])
+def test_maddubs_block_sums_in_int16(isa):
+    """One vpmaddwd per block (not per unit): the 8 unit products are summed in int16."""
+    m = _mix("int4-g128", isa, tile_cols=16 if isa == "avx2" else None)
+    assert m.count("vpmaddubsw") == 8
+    assert m.count("vpmaddwd") == 1
+    assert m.count("vpaddw") == 7
+
+
+def test_int3_unpack_merges_the_high_bit_with_one_ternary_op():
+    m = _mix("int3-g128", "avx512vnni")
+    assert m.count("vpternlogd") == 8
+    assert m.count("vpdpbusd") == 8
