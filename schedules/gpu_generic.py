@@ -40,6 +40,35 @@ def is_scheduled(func: tirx.PrimFunc) -> bool:
     return "qtvm.kernel" in attrs or any(bool(attrs.get(key, False)) for key in (SCHEDULED, "tir.is_scheduled"))
 
 
+def binds_threads(func: tirx.PrimFunc) -> bool:
+    """Whether any block of ``func`` sits under a loop bound to a GPU thread or block."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    pending = list(sch.get_child_blocks(sch.get_sblock("root")))
+    while pending:
+        block = pending.pop()
+        if any(sch.get(loop).kind == tirx.ForKind.THREAD_BINDING for loop in sch.get_loops(block)):
+            return True
+        pending.extend(sch.get_child_blocks(block))
+    return False
+
+
+def _unmark_unbound(mod: tvm.IRModule) -> tvm.IRModule:
+    """Functions marked scheduled that are no qtvm kernel and bind no thread (the
+    importer's ``qtvm_shape_values*``, scheduled for the CPU by construction) lose the
+    mark, so dlight binds them: on a GPU target an unbound function would run its loops
+    on the host, writing device memory through a device pointer."""
+    updates = {}
+    for gv, func in mod.functions.items():
+        if (isinstance(func, tirx.PrimFunc) and is_scheduled(func) and "qtvm.kernel" not in (func.attrs or {})
+                and SPARSE_ATTR not in (func.attrs or {}) and not binds_threads(func)):
+            updates[gv] = func.without_attr(SCHEDULED).without_attr("tir.is_scheduled")
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
 def dlight_rules() -> list:
     from tvm.s_tir import dlight as dl
 
@@ -151,6 +180,7 @@ def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target, rules: li
             updates[gv] = schedule_outliers_gpu(func, target).mod["main"].with_attr(SCHEDULED, True)
     for gv, func in updates.items():
         mod[gv] = func
+    mod = _unmark_unbound(mod)
     with target:
         mod = dl.ApplyDefaultSchedule(*(rules if rules is not None else dlight_rules()))(mod)
     return mod

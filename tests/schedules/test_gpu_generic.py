@@ -89,3 +89,31 @@ def test_cumsum_row_scan():
 def test_other_targets_untouched(tiny_llama_path):
     mod, *_ = build_module(tiny_llama_path, tvm.target.Target({"kind": "llvm"}), "none")
     assert gpu_generic.schedule_generic_ops(mod, tvm.target.Target({"kind": "llvm"})).same_as(mod)
+
+
+@needs_opencl
+def test_shape_values_from_the_importer_are_bound_to_threads(tmp_path):
+    """A dim used as data (x + float(seq)) is computed by the importer's
+    ``qtvm_shape_values*`` function, marked scheduled for the CPU: on a GPU its loop must be
+    bound (unbound, the host would write device memory); run on PoCL at seq = 1, 3, 64, 67."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from qtvm.pipeline import build_module
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "one"], ["g"], axis=0),
+             helper.make_node("Cast", ["g"], ["c"], to=TensorProto.FLOAT), helper.make_node("Add", ["x", "c"], ["y"])]
+    graph = helper.make_graph(nodes, "shape_as_data",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])],
+                              [helper.make_tensor("one", TensorProto.INT64, [], [1])])
+    path = tmp_path / "shape_as_data.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    mod, *_ = build_module(path, SM80, "none")
+    values = {gv.name_hint: f for gv, f in mod.functions.items() if gv.name_hint.startswith("qtvm_shape_values")}
+    assert values and not any(gpu_generic.binds_threads(f) for f in values.values())
+    scheduled = gpu_generic.schedule_generic_ops(mod, SM80)
+    prims = {gv.name_hint: f for gv, f in scheduled.functions.items() if isinstance(f, tirx.PrimFunc)}
+    assert all(gpu_generic.binds_threads(f) for f in prims.values()), sorted(prims)
+    for name, reference in values.items():
+        assert compare_on_opencl(prims[name], reference, name=name).worst == 0.0
