@@ -340,9 +340,14 @@ class Kernel:
     def source(self, name: str = "analytic") -> Code:
         """The generated source of schedule ``name``: asm for CPUs, CUDA C / OpenCL C for
         GPUs (generated here; no GPU needed), with the interesting instructions highlighted."""
+        kind = self.target.kind.name
+        if kind == "cuda":  # source only: with TVM's CUDA runtime loaded, tvm.compile would run nvcc/NVRTC
+            from qtvm.testing.ptxas import cuda_source
+
+            return Code(cuda_source(self.schedule(name), self.target), "cuda", HIGHLIGHT["cuda"],
+                        f"{name} cuda source")
         ex = self._build(name, self.schedule(name))
         mod = ex.mod if hasattr(ex, "mod") else ex
-        kind = self.target.kind.name
         if kind == "llvm":
             return Code(mod.inspect_source("asm"), "asm", HIGHLIGHT["asm"], f"{name} asm for {self.target_text}")
         for sub in mod.imports:
