@@ -17,7 +17,7 @@ from qtvm.errors import QtvmError
 # Keys the summary lays out itself; any other key is listed under "other".
 _KNOWN = {"format", "activations", "target", "required_cpu_flags", "inputs", "outputs", "quantized_matmuls",
           "packed_bytes", "float_weight_bytes", "layers", "prequantized_matmuls", "prequantized",
-          "elf_machine", "gpu_arch", "device"}
+          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero"}
 # Metadata keys naming the GPU architecture a device artefact needs (the GPU targets add one).
 GPU_ARCH_KEYS = ("required_gpu_arch", "gpu_arch", "cuda_arch", "sm")
 
@@ -106,7 +106,11 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     rows.append(("signature", f"main({ins}) -> {outs}"))
     symbols = sorted({d for s in meta.get("inputs", []) for d in s["shape"] if isinstance(d, str)})
     if symbols:
-        rows.append(("symbolic dims", ", ".join(symbols) + " (any size at run time)"))
+        limits = meta.get("dim_limits") or {}
+        zero = set(meta.get("may_be_zero") or [])
+        rows.append(("symbolic dims", ", ".join(
+            f"{d} {'0' if d in zero else '1'}..{limits[d]}" if d in limits else f"{d}{' >= 0' if d in zero else ''}"
+            for d in symbols) + (" (any size at run time)" if not limits else "")))
     if "quantized_matmuls" in meta:
         packed, floats = meta.get("packed_bytes", 0), meta.get("float_weight_bytes", 0)
         bits = 32.0 * packed / floats if floats else float("nan")

@@ -96,6 +96,12 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     facts = import_facts(mod)
     mod = safe_gather(mod)
     notes = gptq_notes + list(lowered.notes)
+    from relay_passes.fp32_accumulate import fp32_accumulate
+
+    mod, widened = fp32_accumulate(mod)
+    if widened:
+        notes.append(f"{widened} float16/bfloat16 matmuls and reductions accumulate in float32 (as onnxruntime "
+                     "does)")
     meta = {
         "format": quant,
         "activations": activations if fmt is not None or lowered.weights else "fp32",

@@ -17,6 +17,22 @@ LOGGERS = ("qtvm", "schedules", "relay_passes")  # the project's packages log un
 _LOG = logging.getLogger("qtvm.progress")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (a compile points it at
+    the real terminal while TVM's own output is diverted: ``qtvm.quiet``)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def configure(verbosity: int) -> None:
     """The CLI's -v/-q: -q (< 0) silences bars and info; -v shows info, -vv debug."""
     global _quiet
@@ -28,7 +44,7 @@ def configure(verbosity: int) -> None:
         logger = logging.getLogger(name)
         logger.setLevel(level)
         if not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
+            handler = _StderrHandler()
             handler.setFormatter(logging.Formatter("qtvm: %(levelname)s: %(message)s"))
             logger.addHandler(handler)
         logger.propagate = False

@@ -27,13 +27,19 @@ def tvm_output_captured():
     saved = os.dup(2)
     sink = tempfile.TemporaryFile(mode="w+b")
     printed = io.StringIO()
+    # qtvm's own Python-level output (progress bars, -v logging) keeps the real stderr:
+    # only file descriptor 2, where TVM's C++ logs, goes to the sink.
+    own_stderr, real = sys.stderr, os.fdopen(os.dup(saved), "w", buffering=1, errors="replace")
     os.dup2(sink.fileno(), 2)
+    sys.stderr = real
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
             warnings.simplefilter("ignore")
             yield lambda: _read(sink) + printed.getvalue()
     finally:
-        sys.stderr.flush()
+        real.flush()
+        sys.stderr = own_stderr
+        real.close()
         os.dup2(saved, 2)
         os.close(saved)
         sink.close()

@@ -104,7 +104,9 @@ def fuse_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModu
     for name, func in relax_funcs.items():
         if name not in present:
             mod[name] = func
-    return mod
+    from schedules.numerics import exact_reduction_identities
+
+    return exact_reduction_identities(mod)
 
 
 def generic_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> dict:

@@ -129,7 +129,9 @@ def constant_of_shape(imp, node, attrs):
 @converter("Range")
 def range_(imp, node, attrs):
     ks = [imp.known_input(node, i) for i in range(3)]
-    if any(k is None for k in ks) or not ks[0].symbolic and not ks[1].symbolic and not ks[2].symbolic:
+    if any(k is None for k in ks):
+        return _range_from_values(imp, node)
+    if not ks[0].symbolic and not ks[1].symbolic and not ks[2].symbolic:
         return None
     if ks[0].dtype.kind not in "iu":
         raise ImportFailure("a float Range with symbolic bounds is not supported")
@@ -142,6 +144,18 @@ def range_(imp, node, attrs):
     count = imp.sym.norm(tirx.max(tirx.floordiv(span + (step - 1), e(step)), e(0)))
     value = imp.emit(relax.op.arange(e(start), e(limit), e(delta), str(ks[0].dtype)))
     return imp.ensure_shape(value, [count])
+
+
+def _range_from_values(imp, node):
+    """Range whose bounds are tensor values known only at run time (a window size fed as
+    an input): its length would be a fresh dimension defined by the data. TVM's converter
+    leaves that dimension unbound, and binding it by a match_cast does not survive TVM's
+    operator fusion (which moves the fused consumers above the binding), so it is refused."""
+    raise ImportFailure(
+        "its bounds are computed from input values at run time, so the output's length depends on "
+        "data (qtvm compiles shapes that are constants or expressions of the inputs' dims)",
+        "make the Range bounds constants (fold the value, e.g. a window size, into the model) or derive "
+        "them from an input's shape")
 
 
 def _clamp(imp, v, d):

@@ -1,0 +1,69 @@
+"""Relax pass: float16/bfloat16 graphs accumulate in float32.
+
+TVM computes a float16 matmul, softmax or sum in float16 throughout: every partial sum is
+rounded to 11 (bfloat16: 8) significant bits, and a 64-term dot product ends up several ulps
+off what onnxruntime (float32 accumulation) returns. Accumulating in float16 is a fast path
+that changes numerics, so it is not qtvm's default: this pass gives matmuls a float32
+``out_dtype`` and runs reductions and normalizations on float32 copies of their inputs,
+casting each result back to the graph's type. Elementwise ops keep their type.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+LOW = ("float16", "bfloat16")
+#: Ops whose result accumulates over many inputs: computed on float32 copies.
+ACCUMULATING = {
+    "relax.sum", "relax.mean", "relax.variance", "relax.std", "relax.prod", "relax.cumsum", "relax.cumprod",
+    "relax.nn.softmax", "relax.nn.log_softmax", "relax.nn.layer_norm", "relax.nn.group_norm",
+    "relax.nn.rms_norm", "relax.nn.batch_norm", "relax.nn.instance_norm", "relax.nn.avg_pool2d",
+    "relax.nn.adaptive_avg_pool2d", "relax.nn.avg_pool1d", "relax.nn.avg_pool3d",
+}
+MATMUL = "relax.matmul"
+CONVS = {"relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d", "relax.nn.conv2d_transpose",
+         "relax.nn.conv1d_transpose"}
+
+
+def _dtype(expr) -> str | None:
+    ty = getattr(expr, "ty", None)
+    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
+
+
+@mutator
+class _Upcast(PyExprMutator):
+    def __init__(self, mod):
+        super().__init__(mod)
+        self.changed = 0
+
+    def visit_call_(self, call):
+        call = self.visit_expr_post_order(call)
+        if not isinstance(call.op, tvm.ir.Op):
+            return call
+        name, out = call.op.name, _dtype(call)
+        if out not in LOW:
+            return call
+        if name == MATMUL:
+            self.changed += 1
+            a, b = (self._wide(x) for x in call.args[:2])
+            return relax.op.astype(self.builder_.emit(relax.op.matmul(a, b, out_dtype="float32")), out)
+        explicit = str(getattr(call.attrs, "out_dtype", "") or "")
+        if name in ACCUMULATING or (name in CONVS and explicit in ("", "void")):
+            self.changed += 1
+            args = [self._wide(a) for a in call.args]
+            return relax.op.astype(self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args)), out)
+        return call
+
+    def _wide(self, expr):
+        """``expr`` as float32 if it is a float16/bfloat16 tensor, else as it is."""
+        return self.builder_.emit(relax.op.astype(expr, "float32")) if _dtype(expr) in LOW else expr
+
+
+def fp32_accumulate(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
+    """(module, number of ops now accumulating in float32); unchanged for float32 graphs."""
+    upcast = _Upcast(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            upcast.builder_.update_func(gv, upcast.visit_expr(func))
+    return upcast.builder_.get(), upcast.changed
