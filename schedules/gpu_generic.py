@@ -6,6 +6,7 @@ attention matmuls, SwiGLU, embedding gathers), CUDA and OpenCL targets.
 1. the qtvm kernels are marked opaque (fusion never touches them); a cumsum along the last
    axis becomes ``row_cumsum`` (TVM's GPU scan relies on warp lockstep); then TVM's own GPU
    passes legalize and fuse the rest (library dispatch, LegalizeOps, FuseOps, FuseTIR);
+   float max/min reductions then start from -inf/+inf (``schedules/numerics.py``, as on x86);
 2. the mixed format's CSR outlier functions get their rule (``gpu_sparse``);
 3. every other fused PrimFunc is scheduled by TVM's dlight GPU rules (``tvm.s_tir.dlight``:
    Matmul, GEMV, Reduction, GeneralReduction, Fallback; RMSNorm ahead of them), the same
@@ -162,7 +163,9 @@ def legalize_and_fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRMod
     for name, func in relax_funcs.items():
         if name not in present:
             mod[name] = func
-    return mod
+    from schedules.numerics import exact_reduction_identities
+
+    return exact_reduction_identities(mod)  # max/min from -inf/+inf, as ONNX (schedules/numerics.py)
 
 
 def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target, rules: list | None = None) -> tvm.IRModule:

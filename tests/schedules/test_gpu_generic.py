@@ -117,3 +117,40 @@ def test_shape_values_from_the_importer_are_bound_to_threads(tmp_path):
     assert all(gpu_generic.binds_threads(f) for f in prims.values()), sorted(prims)
     for name, reference in values.items():
         assert compare_on_opencl(prims[name], reference, name=name).worst == 0.0
+
+
+@needs_opencl
+def test_max_and_softmax_of_minus_inf_rows_on_opencl():
+    """Float max/min start from -inf/+inf on GPUs too (schedules/numerics.py): a row of -inf
+    has max -inf, +inf rows min +inf, and dlight's cross-thread reductions (softmax over a
+    symbolic length, max/min over a constant 200, not a multiple of the threads) still lower
+    with those identities. Each scheduled function runs on PoCL against numpy at several lengths."""
+    n = tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([3, n], "float32"))
+    z = relax.Var("z", relax.TensorType([n, 200], "float32"))
+    with bb.function("main", [x, z]):
+        with bb.dataflow():
+            soft = bb.emit_output(relax.op.nn.softmax(x, axis=1))
+            top = bb.emit_output(relax.op.max(z, axis=[1]))
+            low = bb.emit_output(relax.op.min(z, axis=[1]))
+        bb.emit_func_output(relax.Tuple([soft, top, low]))
+    mod = gpu_generic.schedule_generic_ops(bb.get(), SM80)
+    prims = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    assert sorted(prims) == ["max", "min", "softmax"]
+    assert "T.float32(\"-inf\")" in prims["max"].script() and "T.float32(\"inf\")" in prims["min"].script()
+    rng = np.random.default_rng(0)
+    for length in (1, 67, 300):
+        xs = rng.standard_normal((3, length)).astype(np.float32)
+        xs[1] = -np.inf
+        got = np.full_like(xs, -1.0)
+        opencl.build(prims["softmax"]).run(xs, got)
+        with np.errstate(invalid="ignore"):
+            e = np.exp(xs - xs.max(axis=1, keepdims=True))
+            np.testing.assert_allclose(got, e / e.sum(axis=1, keepdims=True), rtol=1e-6)  # NaN row as numpy
+        zs = rng.standard_normal((length, 200)).astype(np.float32)
+        zs[0], zs[-1] = -np.inf, np.inf
+        for name, ref in (("max", zs.max(axis=1)), ("min", zs.min(axis=1))):
+            out = np.full((length,), np.nan, np.float32)
+            opencl.build(prims[name]).run(zs, out)
+            np.testing.assert_array_equal(out, ref)
