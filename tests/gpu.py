@@ -34,16 +34,21 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def check_ptxas(funcs: dict[str, tvm.tirx.PrimFunc], arch: str) -> dict[str, ptxas.KernelResources]:
-    """All ``funcs`` (name -> scheduled PrimFunc) as one CUDA module, compiled once for
-    ``arch``; every kernel fits (registers, shared memory) and nothing spills."""
+def check_ptxas(funcs: dict[str, tvm.tirx.PrimFunc], archs=tuple(CUDA)) -> dict[str, dict[str, ptxas.KernelResources]]:
+    """All ``funcs`` (name -> scheduled PrimFunc) as one CUDA module per arch (TVM's source for
+    that arch), compiled for each arch side by side; every kernel fits (registers, shared
+    memory) and nothing spills. Returns arch -> kernel name -> resources."""
+    archs = (archs,) if isinstance(archs, str) else tuple(archs)
     mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})
-    report = {k.name: k for k in ptxas.ptxas_check(ptxas.cuda_source(mod, CUDA[arch]), arch)}
-    assert {name.rsplit("_kernel", 1)[0] for name in report} >= set(funcs), sorted(report)
-    for kernel in report.values():
-        assert kernel.spill_bytes == 0 and kernel.stack_bytes == 0, kernel
-        assert kernel.registers <= 255 and kernel.shared_bytes <= 48 * 1024, kernel
-    return report
+    found = ptxas.ptxas_check_archs({arch: ptxas.cuda_source(mod, CUDA[arch]) for arch in archs})
+    reports = {}
+    for arch, kernels in found.items():
+        report = reports[arch] = {k.name: k for k in kernels}
+        assert {name.rsplit("_kernel", 1)[0] for name in report} >= set(funcs), (arch, sorted(report))
+        for kernel in report.values():
+            assert kernel.arch == arch and kernel.spill_bytes == 0 and kernel.stack_bytes == 0, kernel
+            assert kernel.registers <= 255 and kernel.shared_bytes <= 48 * 1024, kernel
+    return reports
 
 
 def blocked(qt) -> list[np.ndarray]:

@@ -3,6 +3,7 @@ embedded), inspected, and refused at run time with a clear message. With a GPU, 
 artefact runs and matches the CPU artefact (skipped here: no GPU, never counted as a pass)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -56,14 +57,15 @@ def test_artefact_embeds_device_code_and_says_which_gpu(cuda_artefact):
     assert (meta["device"], meta["required_gpu_arch"], meta["quantized_matmuls"]) == ("cuda", "sm_90", 15)
 
 
-def test_inspect_and_run_without_a_gpu(cuda_artefact, tmp_path):
-    from qtvm.describe import read_metadata
+def test_inspect_and_run_without_a_gpu(cuda_artefact, tmp_path, capfd):
+    from qtvm.cli import main
 
-    assert read_metadata(cuda_artefact.path)["required_gpu_arch"] == "sm_90"  # what inspect --json prints
-    proc = qtvm("inspect", cuda_artefact.path)
-    assert proc.returncode == 0, proc.stderr
-    assert "needs an NVIDIA GPU of architecture sm_90 or newer" in proc.stdout
-    ids = tmp_path / "ids.npy"
+    capfd.readouterr()
+    assert main(["inspect", "--json", str(cuda_artefact.path)]) == 0
+    assert json.loads(capfd.readouterr().out)["required_gpu_arch"] == "sm_90"
+    assert main(["inspect", str(cuda_artefact.path)]) == 0
+    assert "needs an NVIDIA GPU of architecture sm_90 or newer" in capfd.readouterr().out
+    ids = tmp_path / "ids.npy"  # running: the thin runtime in a process of its own
     np.save(ids, np.zeros((1, 3), np.int64))
     proc = qtvm("run", cuda_artefact.path, "--input", f"input_ids={ids}")
     if cuda.driver_loadable():
@@ -98,15 +100,16 @@ def test_cli_compiles_for_sm80(mlp_path, tmp_path):
     assert FATBIN_MAGIC in out.read_bytes() and b"sm_80" in out.read_bytes()
 
 
-def test_bad_cuda_targets(tmp_path, mlp_path):
-    from qtvm.target import parse_target
+@pytest.mark.parametrize("target,needle", [("cuda", "needs its GPU architecture"),
+                                           ("cuda -arch=sm_70", "unsupported CUDA architecture 'sm_70'")])
+def test_bad_cuda_targets(tmp_path, mlp_path, capfd, target, needle):
+    from qtvm.cli import main
 
-    with pytest.raises(QtvmError, match="unsupported CUDA architecture 'sm_70'"):
-        parse_target("cuda -arch=sm_70")
-    out = tmp_path / "m.so"  # through the CLI: exit 2, one line, nothing written
-    proc = qtvm("compile", mlp_path, "--target", "cuda", "-o", out)
-    assert proc.returncode == 2 and "needs its GPU architecture" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    out = tmp_path / "m.so"
+    capfd.readouterr()
+    assert main(["compile", str(mlp_path), "--target", *target.split(), "-o", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_runtime_refuses_an_older_gpu(monkeypatch, tmp_path):

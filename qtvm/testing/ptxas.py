@@ -97,20 +97,42 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 def ptxas_check(source: str, arch: str, timeout: float = 300) -> list[KernelResources]:
     """nvcc -cubin -arch=<arch> (TVM's flags, ptxas -v) on the source; one KernelResources per kernel."""
+    return ptxas_check_archs({arch: source}, timeout)[arch]
+
+
+def ptxas_check_archs(sources: dict[str, str], timeout: float = 300) -> dict[str, list[KernelResources]]:
+    """``ptxas_check`` of each arch's source, the nvcc processes running side by side (nvcc's
+    front end takes most of the time and one process uses one core)."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise QtvmError("nvcc is not installed", "install the CUDA toolkit (nvcc, ptxas) or set CUDA_HOME")
     with tempfile.TemporaryDirectory(prefix="qtvm-ptxas-") as tmp:
-        src = os.path.join(tmp, "kernels.cu")
-        with open(src, "w") as f:
-            f.write(source)
-        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *nvcc_flags(), "-o", os.path.join(tmp, "k.cubin"), src],
-                              capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        lines = proc.stderr.splitlines()
-        first = next((line for line in lines if " error" in line or "fatal" in line), proc.stderr.strip()[-300:])
-        raise QtvmError(f"nvcc could not compile the CUDA source for {arch}: {first}")
-    return parse_ptxas(proc.stderr + proc.stdout)
+        procs = {}
+        for arch, source in sources.items():
+            src = os.path.join(tmp, f"kernels_{arch}.cu")
+            with open(src, "w") as f:
+                f.write(source)
+            procs[arch] = subprocess.Popen([nvcc, "-cubin", f"-arch={arch}", *nvcc_flags(), "-o",
+                                            os.path.join(tmp, f"{arch}.cubin"), src],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outputs = {}
+        try:
+            for arch, proc in procs.items():
+                stdout, stderr = proc.communicate(timeout=timeout)
+                outputs[arch] = (proc.returncode, stdout, stderr)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    results = {}
+    for arch, (returncode, stdout, stderr) in outputs.items():
+        if returncode != 0:
+            lines = stderr.splitlines()
+            first = next((line for line in lines if " error" in line or "fatal" in line), stderr.strip()[-300:])
+            raise QtvmError(f"nvcc could not compile the CUDA source for {arch}: {first}")
+        results[arch] = parse_ptxas(stderr + stdout)
+    return results
 
 
 def parse_ptxas(text: str) -> list[KernelResources]:

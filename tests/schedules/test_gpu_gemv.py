@@ -38,16 +38,15 @@ def test_gemv_matches_reference_on_opencl(preset, k, n):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_gemv_cuda_fits_without_spills(arch):
+def test_gemv_cuda_fits_without_spills():
     """The 4096 x 11008 decode shape of every family, plus the awkward test shapes."""
     # as the pass builds them: N padded with zero columns to the GPU's column tile
     funcs = {f"gemv_{p.replace('-', '_')}_{k}": gemv_func(p, k, -(-n // gpu.COL_PAD) * gpu.COL_PAD)
              for p, k, n in CASES}
     for preset in ("int4-g128", "int3-g128", "e0m4-g128-f16"):
         funcs[f"gemv_{preset.replace('-', '_')}_big"] = gemv_func(preset, 4096, 11008)
-    report = check_ptxas(funcs, arch)
-    assert report["gemv_int4_g128_big_kernel"].registers <= 128  # 4 warps a block, several blocks an SM
+    for report in check_ptxas(funcs).values():  # sm_80 and sm_90
+        assert report["gemv_int4_g128_big_kernel"].registers <= 128  # 4 warps a block, several blocks an SM
 
 
 def test_gemv_source_uses_128_bit_weight_loads():
@@ -99,14 +98,13 @@ def test_fp16_gemv_indexing_on_opencl(preset, k, n):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_fp16_gemv_cuda_uses_the_unpack_intrinsics(arch):
+def test_fp16_gemv_cuda_uses_the_unpack_intrinsics():
     from qtvm.testing.ptxas import cuda_source
 
     pad = lambda n: -(-n // gpu.COL_PAD) * gpu.COL_PAD  # noqa: E731
     funcs = {f"f16_{p.replace('-', '_')}": gemv_f16_func(p, k, pad(n)) for p, k, n in F16_CASES}
     funcs["f16_int4_big"] = gemv_f16_func("int4-g128", 11008, 4096)
-    check_ptxas(funcs, arch)
+    check_ptxas(funcs)  # sm_80 and sm_90
     source = cuda_source(funcs["f16_int4_big"], SM80)
     assert "qtvm_unpack_u4_f16x8(" in source and "lop3.b32" in source
     assert "__byte_perm" in cuda_source(funcs["f16_int8_g32"], SM80)
