@@ -17,9 +17,9 @@ from qtvm.errors import QtvmError
 # Keys the summary lays out itself; any other key is listed under "other".
 _KNOWN = {"format", "activations", "target", "required_cpu_flags", "inputs", "outputs", "quantized_matmuls",
           "packed_bytes", "float_weight_bytes", "layers", "prequantized_matmuls", "prequantized",
-          "elf_machine", "gpu_arch", "dim_limits", "may_be_zero"}
+          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero"}
 # Metadata keys naming the GPU architecture a device artefact needs (the GPU targets add one).
-GPU_ARCH_KEYS = ("gpu_arch", "cuda_arch", "sm")
+GPU_ARCH_KEYS = ("required_gpu_arch", "gpu_arch", "cuda_arch", "sm")
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -38,10 +38,10 @@ def read_metadata(path: str | os.PathLike) -> dict:
         meta = elf.embedded_metadata(elf.read_elf(path))
     except QtvmError:  # no readelf here: let the runtime load it
         meta = None
-    if meta is None:
+    if meta is None:  # runtime.inspect also reads OpenCL artefacts, which this TVM cannot load
         from qtvm import runtime
 
-        meta = runtime.load(path).metadata
+        meta = runtime.inspect(path)
     return meta
 
 
@@ -96,6 +96,11 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     for key in GPU_ARCH_KEYS:
         if key in meta:
             rows.append(("GPU arch", str(meta[key])))
+    if meta.get("device") == "cuda":
+        arch = meta.get("required_gpu_arch", "?")
+        rows.append(("device", f"needs an NVIDIA GPU of architecture {arch} or newer (CUDA)"))
+    elif meta.get("device") == "opencl":
+        rows.append(("device", "needs an OpenCL device and a TVM runtime built with OpenCL"))
     ins = ", ".join(f"{s['name']}: {_dims(s)}" for s in meta.get("inputs", []))
     outs = ", ".join(f"{s['name']}: {_dims(s)}" for s in meta.get("outputs", []))
     rows.append(("signature", f"main({ins}) -> {outs}"))

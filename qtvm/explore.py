@@ -226,20 +226,22 @@ class Kernel:
 
     def __init__(self, fmt: str = "int4-g128", k: int = 4096, n: int = 4096, target: str = "host",
                  activations: str = "fp32", seed: int = 0):
-        from schedules import column_block
+        from schedules import facts
 
         self.fmt = get_format(fmt)
         self.k, self.n, self.activations = int(k), int(n), activations
         self.target_text = target if isinstance(target, str) else str(target)
         self.target = parse_target(target) if isinstance(target, str) else target
-        self.nb = column_block(self.target)
+        target_facts = facts(self.target)
+        self.nb = target_facts.col_block
         if activations == "int8":
             if not ops.supports_int8_activations(self.fmt, self.k):
                 raise QtvmError(f"{self.fmt.name} at K = {self.k} has no int8-activation kernel",
                                 "use activations='fp32', or a 2/3/4-bit uniform or e0m4 format")
             self.compute_func = ops.qmatmul_a8_func(self.fmt, self.k, self.n, self.nb)
         elif activations == "fp32":
-            self.compute_func = ops.qmatmul_func(self.fmt, self.k, self.n, self.nb)
+            self.compute_func = ops.qmatmul_func(self.fmt, self.k, self.n, self.nb,
+                                                 **target_facts.gemv_options(self.fmt, self.k))
         else:
             raise QtvmError(f"activations must be 'fp32' or 'int8', got {activations!r}")
         self._rng = np.random.default_rng(seed)
@@ -281,9 +283,9 @@ class Kernel:
         return self._schedules[name]
 
     def _make_analytic(self):
-        from schedules import RULES
+        from schedules import family
 
-        for rule in RULES:
+        for rule in family(self.target).rules():
             sch = rule(self.compute_func, self.target)
             if sch is not None:
                 return sch.mod["main"], sch.trace, ""
@@ -338,9 +340,14 @@ class Kernel:
     def source(self, name: str = "analytic") -> Code:
         """The generated source of schedule ``name``: asm for CPUs, CUDA C / OpenCL C for
         GPUs (generated here; no GPU needed), with the interesting instructions highlighted."""
+        kind = self.target.kind.name
+        if kind == "cuda":  # source only: with TVM's CUDA runtime loaded, tvm.compile would run nvcc/NVRTC
+            from qtvm.testing.ptxas import cuda_source
+
+            return Code(cuda_source(self.schedule(name), self.target), "cuda", HIGHLIGHT["cuda"],
+                        f"{name} cuda source")
         ex = self._build(name, self.schedule(name))
         mod = ex.mod if hasattr(ex, "mod") else ex
-        kind = self.target.kind.name
         if kind == "llvm":
             return Code(mod.inspect_source("asm"), "asm", HIGHLIGHT["asm"], f"{name} asm for {self.target_text}")
         for sub in mod.imports:

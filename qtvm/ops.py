@@ -48,6 +48,15 @@ def block_columns(a: np.ndarray, nb: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(rows, nblk, nb).transpose(1, 0, 2))
 
 
+def pad_columns(qt: QuantizedTensor, multiple: int) -> QuantizedTensor:
+    """``qt`` with zero columns appended up to a multiple of ``multiple``: every stored
+    array all zeros there (codes, scales, offsets), which each format decodes to w = 0.
+    A GPU kernel then walks whole column tiles with no guard; the caller slices y."""
+    n = -(-qt.n // multiple) * multiple
+    arrays = {name: np.pad(a, ((0, 0), (0, n - qt.n))) for name, a in qt.arrays.items()}
+    return QuantizedTensor(qt.fmt, qt.k, n, arrays)
+
+
 def blocked_arrays(qt: QuantizedTensor, nb: int) -> list[np.ndarray]:
     """The kernel's weight arguments, in order."""
     return [block_columns(qt.arrays[name], nb) for name in qt.fmt.array_rows(qt.k)]
@@ -77,31 +86,40 @@ def decode_term_count(fmt: QuantFormat, at_column) -> int:
     return len(fmt.te_decode_terms(at_column(zero), zero))
 
 
-def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
-    """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached."""
+def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached.
+
+    ``chunk`` (a divisor of the group size; default the group): K values per partial.
+    The group coefficients distribute over a group's chunks (s * sum_c P_c = sum_c s * P_c),
+    so with chunks smaller than the group a GPU lane reduces its own chunk and applies the
+    group's coefficients itself, and lanes split K without a reduction per group.
+    """
     m = te.var("m", "int64")
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
-    ngroups, nblk = kp // gs, -(-n // nb)
+    ch = gs if chunk is None else int(chunk)
+    if ch < 1 or gs % ch:
+        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
+    nchunks, nblk, per_group = kp // ch, -(-n // nb), gs // ch
     x = te.placeholder((m, k), "float32", name="x")
     stored, at_column = weight_inputs(fmt, k, n, nb)
     xk = padded_reader(x, k, kp)
 
     num_terms = decode_term_count(fmt, at_column)
     def partial(t):
-        r = te.reduce_axis((0, gs), name="kk")
+        r = te.reduce_axis((0, ch), name="kk")
         return te.compute(
-            (m, ngroups, nblk * nb),
-            lambda i, g, j: te.sum(xk(i, g * gs + r) * fmt.te_decode_terms(at_column(j), g * gs + r)[t], axis=r),
+            (m, nchunks, nblk * nb),
+            lambda i, g, j: te.sum(xk(i, g * ch + r) * fmt.te_decode_terms(at_column(j), g * ch + r)[t], axis=r),
             name=partial_block(t))
 
     partials = [partial(t) for t in range(num_terms)]
-    r2 = te.reduce_axis((0, gs), name="kx")
-    xsum = te.compute((m, ngroups), lambda i, g: te.sum(xk(i, g * gs + r2), axis=r2), name=BLOCK_XSUM)
+    r2 = te.reduce_axis((0, ch), name="kx")
+    xsum = te.compute((m, nchunks), lambda i, g: te.sum(xk(i, g * ch + r2), axis=r2), name=BLOCK_XSUM)
 
-    rg = te.reduce_axis((0, ngroups), name="g")
+    rg = te.reduce_axis((0, nchunks), name="g")
 
     def group_term(i, j):
-        coefs, offset = fmt.te_group_coefs(at_column(j), rg)
+        coefs, offset = fmt.te_group_coefs(at_column(j), rg if per_group == 1 else rg // per_group)
         total = offset * xsum[i, rg]
         for coef, part in zip(coefs, partials):
             total = total + coef * part[i, rg, j]
@@ -111,7 +129,76 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc
     y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
     func = te.create_prim_func([x, *stored.values(), y])
     desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=num_terms)
+    if chunk is not None:
+        desc["chunk"] = ch
     return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
+
+
+# -- fp16 activations (a user option: it rounds activations, GPU targets) ----
+BLOCK_XH, BLOCK_DECODE = "x_f16", "w_decode"
+
+
+def f16_unpack_kind(fmt: QuantFormat) -> str | None:
+    """The fp16 unpack (``qtvm.intrin.cuda.RUNS``) of a format's single decode term, or None:
+    uniform int2/3/4/8 (plain or packed zeros) decode to their integer code, E0M4 to
+    1 + code / 16; both are exact in fp16."""
+    desc = fmt.describe()
+    if desc.get("family") == "e0m4" and getattr(fmt, "decode", "fp32") in ("fp32", "fp16"):
+        return "e0m4"
+    if desc.get("family") == "uniform" and int(desc.get("bits", 0)) in (2, 3, 4, 8):
+        return f"u{int(desc['bits'])}"
+    return None
+
+
+def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None) -> tvm.tirx.PrimFunc:
+    """``qmatmul_func``'s arguments and result with fp16 activations (a numerics option):
+
+        x_f16[m, kk]   = fp16(x)                             the activations, rounded
+        w_decode[j, kk] = fp16 decode of the code              exact (codes, 1 + c/16)
+        P[m, c, j]     = sum_{kk in chunk c} x_f16 * w_decode  fp16 products and sums
+        y[m, j]        = sum_c coef * fp32(P) + offset * sum_{kk in c} fp32(x_f16)
+
+    so within a chunk (16 to 64 values) the dot runs in half precision (two weights per
+    instruction on a GPU), across chunks and groups in fp32. ``w_decode`` is a stage of its
+    own so a schedule can decode a whole packed run with one TensorIntrin.
+    """
+    from qtvm.intrin.cuda import RUNS, unpack_value
+
+    kind = f16_unpack_kind(fmt)
+    if kind is None:
+        raise ValueError(f"{fmt.name} has no fp16 decode")
+    words, values, _ = RUNS[kind]
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ch = gs if chunk is None else int(chunk)
+    if ch < 1 or gs % ch:
+        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
+    nchunks, nblk, per_group = kp // ch, -(-n // nb), gs // ch
+    x = te.placeholder((m, k), "float32", name="x")
+    stored, at_column = weight_inputs(fmt, k, n, nb)
+    qweight = stored["qweight"]
+    xk = padded_reader(x, k, kp)
+    xh = te.compute((m, kp), lambda i, kk: xk(i, kk).astype("float16"), name=BLOCK_XH)
+    dec = te.compute((nblk * nb, kp), lambda j, kk: unpack_value(
+        kind, lambda r: qweight[j // nb, (kk // values) * words + r, j % nb], kk % values), name=BLOCK_DECODE)
+    r = te.reduce_axis((0, ch), name="kk")
+    partial = te.compute((m, nchunks, nblk * nb), lambda i, c, j: te.sum(xh[i, c * ch + r] * dec[j, c * ch + r], axis=r),
+                         name=partial_block(0))
+    r2 = te.reduce_axis((0, ch), name="kx")
+    xsum = te.compute((m, nchunks), lambda i, c: te.sum(xh[i, c * ch + r2].astype("float32"), axis=r2),
+                      name=BLOCK_XSUM)
+    rg = te.reduce_axis((0, nchunks), name="g")
+
+    def group_term(i, j):
+        coefs, offset = fmt.te_group_coefs(at_column(j), rg if per_group == 1 else rg // per_group)
+        return coefs[0] * partial[i, rg, j].astype("float32") + offset * xsum[i, rg]
+
+    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
+    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
+    func = te.create_prim_func([x, *stored.values(), y])
+    desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=1, chunk=ch,
+                activations="fp16", unpack=kind)
+    return func.with_attrs({KERNEL_ATTR: "qmatmul_f16", FORMAT_ATTR: desc})
 
 
 # -- int8 activations (a user option: it rounds activations) -----------------

@@ -16,7 +16,7 @@ from qtvm.errors import QtvmError
 from qtvm.formats import get_format
 from qtvm.frontend.importer import import_facts
 from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
-from qtvm.target import cpu_flags_required, parse_target, with_host
+from qtvm.target import cpu_flags_required, gpu_required, parse_target, with_host
 
 METADATA_FUNC = "qtvm_metadata"
 FLOAT = "none"  # --quant none: compile the float model through the same pipeline
@@ -107,6 +107,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "activations": activations if fmt is not None or lowered.weights else "fp32",
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
+        **gpu_required(target),
         "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
         # Output dims as the import derived them from the input symbols (the legacy exporter
         # names them MatMullogits_dim_0 and the like).
@@ -153,11 +154,25 @@ def _layer_table(layers) -> list[dict]:
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):
-    """Target rule for the ops around the packed kernels (norms, softmax, attention,
-    elementwise): fused and scheduled for LLVM targets, untouched for any other."""
-    from schedules.x86_generic import schedule_generic_ops as x86_generic
+    """The target family's rules for the ops around the packed kernels (norms, softmax,
+    attention, elementwise): ``schedules/x86_generic.py``, ``schedules/gpu_generic.py``."""
+    from schedules import schedule_generic_ops as family_generic
 
-    return x86_generic(mod, target) if target.kind.name == "llvm" else mod
+    return family_generic(mod, target)
+
+
+def compile_relax(mod, target: tvm.target.Target):
+    """tvm.compile with the target family's Relax pipeline (GPU families already fused and
+    scheduled the graph) and what a CUDA target needs around it (``qtvm.cuda``)."""
+    from schedules import family
+
+    pipeline = getattr(family(target), "relax_pipeline", None)
+    pipeline = pipeline(target) if pipeline is not None else "default"
+    if target.kind.name == "cuda":
+        from qtvm.cuda import compile_cuda
+
+        return compile_cuda(mod, target, relax_pipeline=pipeline)
+    return tvm.compile(mod, target=target, relax_pipeline=pipeline)
 
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
@@ -185,7 +200,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib)
     notes = ([host_note] if host_note else []) + notes
     step("schedule + build")
-    ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
+    ex = compile_relax(schedule_generic_ops(mod, target), target)
     step("export")
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)

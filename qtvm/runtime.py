@@ -61,10 +61,7 @@ class Module:
         path = Path(path)
         if not path.is_file():
             raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
-        try:
-            lib = tvm.runtime.load_module(str(path))
-        except Exception:
-            raise QtvmError(f"'{path}' is not a loadable qtvm artefact", "recompile it with `qtvm compile`") from None
+        lib = _load_library(path)
         self._vm = VirtualMachine(lib, tvm.cpu())
         try:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
@@ -78,6 +75,10 @@ class Module:
                             "recompile with --target host")
         self._tensor = tvm.runtime.tensor
         self._main = self._vm["main"]
+        self._path, self._lib, self._device = path, lib, None
+        self.device = self.metadata.get("device", "cpu")
+        if self.device == "cuda":
+            _check_cuda_arch(path, self.metadata, missing_ok=True)  # a wrong GPU is refused now, none at run
 
     @property
     def inputs(self) -> list[dict]:
@@ -134,8 +135,22 @@ class Module:
                 raise QtvmError(f"input '{name}' has size {size} on axis {axis}, expected {dim} = {want}")
         return arrays
 
+    def _use_device(self):
+        """A GPU artefact gets its device (and a VM placed on it) at its first run."""
+        if self.device == "cpu" or self._device is not None:
+            return
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
+        _check_cuda_arch(self._path, self.metadata, missing_ok=False)
+        self._device = tvm.cuda(0)
+        self._vm = VirtualMachine(self._lib, [self._device, tvm.cpu()])
+        self._main = self._vm["main"]
+        self._tensor = lambda a: tvm.runtime.tensor(a, device=self._device)
+
     def run(self, feeds: dict) -> dict[str, np.ndarray]:
         arrays = self.check_inputs(feeds)
+        self._use_device()
         result = self._main(*[self._tensor(a) for a in arrays])
         values = [result] if len(self.outputs) == 1 else list(result)
         return {spec["name"]: _to_numpy(v, spec["dtype"]) for spec, v in zip(self.outputs, values)}
@@ -155,3 +170,65 @@ def _to_numpy(value, dtype: str) -> np.ndarray:
 
 def load(path: str | os.PathLike) -> Module:
     return Module(path)
+
+
+# -- GPU artefacts ------------------------------------------------------------------------
+def _load_library(path: Path):
+    """The artefact's library; a CUDA artefact first loads TVM's CUDA runtime (``qtvm.cuda``:
+    the driver, or a stub where there is none, so the artefact still opens and says why it
+    cannot run)."""
+    import tvm.runtime
+
+    try:
+        return tvm.runtime.load_module(str(path))
+    except Exception as err:  # noqa: BLE001 -- TVM raises several kinds
+        message = str(err)
+    if "load_from_bytes.cuda" in message:
+        from qtvm.cuda import load_cuda_runtime
+
+        load_cuda_runtime(allow_stub=True)
+        try:
+            return tvm.runtime.load_module(str(path))
+        except Exception:  # noqa: BLE001
+            pass
+    elif "load_from_bytes.opencl" in message:
+        raise QtvmError(f"'{path}' was built for OpenCL and this TVM runtime has no OpenCL support",
+                        "run it with a TVM runtime built with USE_OPENCL=ON (on the device); "
+                        "`qtvm inspect` still reads it")
+    raise QtvmError(f"'{path}' is not a loadable qtvm artefact", "recompile it with `qtvm compile`")
+
+
+def _check_cuda_arch(path: Path, metadata: dict, missing_ok: bool) -> None:
+    """Refuse a CUDA artefact for a GPU older than it was built for; say so when there is none."""
+    from qtvm.cuda import device_arch
+
+    required = str(metadata.get("required_gpu_arch", "sm_80"))
+    have = device_arch()
+    if have is None:
+        if missing_ok:
+            return
+        raise QtvmError(f"'{path}' runs on an NVIDIA GPU ({required} or newer) but no CUDA device is present",
+                        "run it on a machine with an NVIDIA GPU and driver, or recompile with --target host")
+    if int(have[3:].rstrip("a")) < int(required[3:].rstrip("a")):
+        raise QtvmError(f"'{path}' was built for {required} and this GPU is {have}",
+                        f"recompile with --target cuda -arch={have}")
+
+
+def inspect(path: str | os.PathLike) -> dict:
+    """An artefact's metadata, also where its device code cannot be loaded here (OpenCL
+    artefacts, whose runtime this TVM lacks): then read from the embedded JSON constant."""
+    try:
+        return Module(path).metadata
+    except QtvmError:
+        path = Path(path)
+        if not path.is_file():
+            raise
+        data = path.read_bytes()
+        start = data.find(b'{"format": ')
+        if start < 0:
+            raise
+        try:
+            meta, _ = json.JSONDecoder().raw_decode(data[start:start + (1 << 20)].decode("utf-8", "replace"))
+        except ValueError:
+            raise QtvmError(f"'{path}' has no readable qtvm metadata", "recompile it with `qtvm compile`") from None
+        return meta

@@ -7,6 +7,7 @@ are accepted here.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import tvm
@@ -16,9 +17,17 @@ from qtvm.errors import QtvmError
 
 KINDS = ("llvm", "cuda", "opencl")
 LIST_OPTIONS = {"mattr", "keys", "libs", "cl-opt"}
-INT_OPTIONS = {"num-cores", "max_num_threads", "thread_warp_size", "max_threads_per_block",
+INT_OPTIONS = {"num-cores", "max_num_threads", "thread_warp_size", "max_threads_per_block", "registers_per_block",
+               "l2_cache_size_bytes",
                "max_shared_memory_per_block", "opt-level"}
 HOST_ALIASES = ("host", "native")
+#: NVIDIA architectures qtvm builds for (checked with ptxas for sm_80 and sm_90).
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90")
+#: What a bare ``cuda -arch=sm_XX`` implies (per-block limits every such GPU has; the L2 size
+#: of the arch's datacenter part, which the cold-cache benchmark and tuner size buffers by).
+CUDA_DEFAULTS = {"max_num_threads": 1024, "max_threads_per_block": 1024, "thread_warp_size": 32,
+                 "max_shared_memory_per_block": 49152, "registers_per_block": 65536}
+CUDA_L2_BYTES = {"sm_80": 40 << 20, "sm_86": 6 << 20, "sm_87": 4 << 20, "sm_89": 72 << 20, "sm_90": 50 << 20}
 
 
 def host_cpu() -> str:
@@ -58,11 +67,28 @@ def parse_target_dict(text: str) -> dict:
                 raise QtvmError(f"target option -{key} needs an integer, got '{value}'") from None
         else:
             out[key] = value
+    if kind == "opencl" and "keys" in out:  # -device=mali: TVM's own keys stay (GPU pipelines read "gpu")
+        out["keys"] += [k for k in ("opencl", "gpu") if k not in out["keys"]]
     return out
 
 
+def _gpu_defaults(spec: dict) -> dict:
+    """A CUDA target gets its arch checked and its limits filled in. The host stays as given
+    (none: this machine; ``qtvm.deploy.toolchain.with_default_host`` gives Mali/Adreno an
+    aarch64 host)."""
+    if spec["kind"] == "cuda":
+        arch = spec.get("arch")
+        if arch is None:
+            raise QtvmError("a cuda target needs its GPU architecture",
+                            f"add -arch=, e.g. --target cuda -arch=sm_90 (one of {', '.join(CUDA_ARCHS)})")
+        if not re.fullmatch(r"sm_\d+a?", str(arch)) or str(arch).rstrip("a") not in CUDA_ARCHS:
+            raise QtvmError(f"unsupported CUDA architecture '{arch}'", f"use one of: {', '.join(CUDA_ARCHS)}")
+        spec = {**CUDA_DEFAULTS, "l2_cache_size_bytes": CUDA_L2_BYTES[str(arch).rstrip("a")], **spec}
+    return spec
+
+
 def parse_target(text: str) -> tvm.target.Target:
-    spec = parse_target_dict(text)
+    spec = _gpu_defaults(parse_target_dict(text))
     if spec["kind"] == "llvm" and "mcpu" in spec and not codegen.llvm_is_valid_cpu(spec["mcpu"], spec.get("mtriple", "x86_64-unknown-linux-gnu")):
         raise QtvmError(f"LLVM does not know the CPU '{spec['mcpu']}'",
                         "use an LLVM CPU name such as znver2, znver3, skylake-avx512, sapphirerapids, or host")
@@ -113,3 +139,12 @@ def cpu_flags_required(target: tvm.target.Target) -> list[str]:
               "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
     with target:
         return sorted(flag for feat, flag in wanted.items() if codegen.llvm_cpu_has_features(feat, target))
+
+
+def gpu_required(target: tvm.target.Target) -> dict:
+    """What an artefact built for ``target`` needs of the GPU (metadata; the runtime checks it)."""
+    if target.kind.name == "cuda":
+        return {"device": "cuda", "required_gpu_arch": str(target.attrs["arch"])}
+    if target.kind.name == "opencl":
+        return {"device": "opencl"}
+    return {}

@@ -60,9 +60,11 @@ def dense_weights(mod: tvm.IRModule, target: tvm.target.Target,
                   min_weights: int | None = None) -> tuple[tvm.IRModule, int]:
     """(module, number of matmuls rewritten); the module unchanged where the target has no rule.
     ``min_weights``: the smallest K x N rewritten (default: the rule's ``MIN_WEIGHTS``)."""
-    from schedules import column_block
+    from schedules import FAMILIES, column_block
     from schedules.x86_dense import MIN_WEIGHTS, schedule_dense_x86
 
+    if target.kind.name not in FAMILIES:  # no qtvm rules at all (the C target, ...)
+        return mod, 0
     if schedule_dense_x86(dense_func(16, 16, column_block(target)), target) is None:
         return mod, 0
     rewriter = _Rewriter(mod, target, column_block(target), MIN_WEIGHTS if min_weights is None else min_weights)

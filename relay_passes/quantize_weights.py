@@ -4,6 +4,8 @@ Every ``relax.matmul(x, W)`` whose W is a 2-D float32 constant (directly, or
 through ``permute_dims`` as ONNX Gemm with transB=1 imports) becomes
 ``reshape -> call_tir(qmatmul) -> reshape`` with W packed by the chosen format
 and re-laid out by the target rule. Matmuls by computed tensors stay in float.
+What the target's kernels look like (column block, row tile, GEMV/prefill threshold,
+which kernels exist) comes from ``schedules.facts(target)``: no target module is imported.
 """
 from __future__ import annotations
 
@@ -16,13 +18,12 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qtvm import ops
 from qtvm.formats import QuantFormat, QuantizedTensor
-from qtvm.intrin.x86 import ROW_TILE
+from schedules import facts as target_facts
 from schedules import schedule_kernel
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
-GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per row (measured M = 3)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _Rewriter(PyExprMutator):
                  activations: str, prepacked=None):
         super().__init__(mod)
         self.fmt, self.target, self.report, self.activations = fmt, target, report, activations
+        self.facts = target_facts(target)
         self.prepacked = prepacked
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
@@ -111,13 +113,20 @@ class _Rewriter(PyExprMutator):
     def _int8_activations(self, fmt: QuantFormat, k: int) -> bool:
         if self.activations != "int8":
             return False
-        from schedules.x86 import dot_isa
-
         if not ops.supports_int8_activations(fmt, k):
             self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k}")
             return False
-        if self.target.kind.name != "llvm" or not dot_isa(self.target):
+        if not self.facts.int8_activations:
             self.report.fp32_activation_fallbacks.append(f"target {self.target.kind.name} has no int8 dot")
+            return False
+        return True
+
+    def _f16_activations(self, fmt: QuantFormat, k: int) -> bool:
+        """fp16 activations (the decode GEMV; prefill keeps the exact fp32 GEMM)."""
+        if self.activations != "fp16":
+            return False
+        if not self.facts.f16_activations(fmt, k):
+            self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k} (no fp16 kernel)")
             return False
         return True
 
@@ -128,7 +137,7 @@ class _Rewriter(PyExprMutator):
         for d in lead:
             rows = rows * d
         x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([rows, qt.k])))
-        parts = qt.fmt.kernel_parts(qt)
+        parts = qt.fmt.kernel_parts(qt, **self.facts.parts_options)
         y2 = None
         for row_index, part in parts.dense:
             xp = x2 if row_index is None else self.builder_.emit(
@@ -140,23 +149,40 @@ class _Rewriter(PyExprMutator):
         return relax.op.reshape(y2, relax.ShapeExpr([*lead, qt.n]))
 
     def _emit_dense(self, x2, rows, qt: QuantizedTensor):
-        from schedules import column_block
+        n = qt.n
+        if qt.n % self.facts.col_pad:  # zero columns up to the target's column tile, sliced off after
+            qt = ops.pad_columns(qt, self.facts.col_pad)
+        y = self._emit_dense_padded(x2, qt)
+        if qt.n == n:
+            return y
+        return self.builder_.emit(relax.op.strided_slice(y, axes=[1], begin=[0], end=[n]))
 
-        nb = column_block(self.target)
+    def _emit_dense_padded(self, x2, qt: QuantizedTensor):
+        nb = self.facts.col_block
         if self._int8_activations(qt.fmt, qt.k):
             weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
-            small, large = self._a8_branch(qt, weights, nb, 1), self._a8_branch(qt, weights, nb, ROW_TILE)
+            small = self._a8_branch(qt, weights, nb, 1)
+            large = self._a8_branch(qt, weights, nb, self.facts.row_tile)
         else:
-            from qtvm.lut_gemv import lut16_gemv_func
             from qtvm.ops_gemm import qmatmul_gemm_func
-            from schedules.x86_lut import prefer_lut16
 
             fmt, k, n = qt.fmt, qt.k, qt.n
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
-            if prefer_lut16(fmt, k, self.target):  # BCQ: table lookups beat dequantizing (schedules/x86_lut.py)
+            decode = self.facts.decode_kernel.get(str(fmt.describe().get("family")), "qmatmul")
+            if self._f16_activations(fmt, k):
+                gemv = self._kernel("qmatmul_f16", fmt, lambda: ops.qmatmul_f16_func(
+                    fmt, k, n, nb, **self.facts.gemv_options(fmt, k)), k, n)
+            elif decode == "lut_gemv":
+                from qtvm.lut_gemv import lut_gemv_func
+
+                gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
+            elif self.facts.lut16_gemv(fmt, k):  # x86 BCQ: table lookups beat dequantizing (schedules/x86_lut.py)
+                from qtvm.lut_gemv import lut16_gemv_func
+
                 gemv = self._kernel("lut16_gemv", fmt, lambda: lut16_gemv_func(fmt, k, n, nb), k, n)
             else:
-                gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb), k, n)
+                options = self.facts.gemv_options(fmt, k)
+                gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb, **options), k, n)
             gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
             small, large = self._call_branch(gemv, weights, n), self._call_branch(gemm, weights, n)
         return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, small, large), [x2]))
@@ -168,7 +194,8 @@ class _Rewriter(PyExprMutator):
 
     def _a8_branch(self, qt: QuantizedTensor, weights, nb: int, row_tile: int):
         """x -> [acts = quantize_activations(x), its three parts, y = call_tir(int8 kernel)];
-        row_tile 1 is the GEMV, ROW_TILE the prefill kernel (activations padded to whole tiles)."""
+        row_tile 1 is the GEMV, the target's row tile the prefill kernel (activations padded
+        to whole tiles)."""
         fmt, k, n = qt.fmt, qt.k, qt.n
         kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
         quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k, row_tile), k, row_tile)
@@ -190,7 +217,7 @@ class _Rewriter(PyExprMutator):
 
     def _dispatch_by_rows(self, qt: QuantizedTensor, small, large) -> tvm.ir.GlobalVar:
         """A private function choosing at run time: the GEMV for decode-sized M, else the
-        prefill kernel (measured crossover: M = 3, fp32 and int8 activations alike).
+        prefill kernel (the target's threshold; x86 measured its crossover at M = 3).
         Relax allows ``If`` only outside dataflow blocks, hence a function of its own.
         A branch is a list of bindings: an expression, or prev-values -> expression."""
         m = tvm.tirx.Var("m", "int64")
@@ -207,7 +234,7 @@ class _Rewriter(PyExprMutator):
 
         then, other = seq(small), seq(large)
         result = relax.Var("y", out_ty)
-        choose = relax.If(relax.prim_value(m <= GEMV_MAX_ROWS), then, other)
+        choose = relax.If(relax.prim_value(m <= self.facts.gemv_max_rows), then, other)
         body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, choose)])], result)
         func = relax.Function([x], body, out_ty, is_pure=True)  # private: no global symbol
         return self.builder_.add_func(func, f"qmatmul_dispatch_{len(self.report.layers)}")
@@ -224,7 +251,7 @@ class _Rewriter(PyExprMutator):
                                                     relax.TensorType([rows, qt.n], "float32")))
 
 
-ACTIVATIONS = ("fp32", "int8")
+ACTIVATIONS = ("fp32", "int8", "fp16")
 
 
 def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat | None, target: tvm.target.Target,
@@ -232,7 +259,9 @@ def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat | None, target: tvm.tar
     """Rewrite every Relax function of ``mod``; returns the module and what was packed.
 
     ``activations="int8"`` rounds each matmul's input to int8 per 32 values
-    (a numerics change the user asks for, like llama.cpp's q8 activations).
+    (a numerics change the user asks for, like llama.cpp's q8 activations);
+    ``"fp16"`` (GPU targets) rounds the decode GEMV's input to fp16 and sums each lane's
+    chunk in fp16.
     ``prepacked(weight_expr, lookup) -> (QuantizedTensor, perm | None) | None`` is asked
     first for every matmul: weights the model brought already quantized, emitted by
     the same kernels (``perm``: activation permutation of act-order tensors).
@@ -242,6 +271,10 @@ def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat | None, target: tvm.tar
         from qtvm.errors import QtvmError
 
         raise QtvmError(f"unknown activation mode '{activations}'", f"use one of: {', '.join(ACTIVATIONS)}")
+    facts = target_facts(target)
+    if fmt is not None:  # prepacked weights are uniform, which every target builds
+        facts.check_format(fmt, target.kind.name)
+    facts.check_activations(activations, target.kind.name)
     report = QuantizeReport()
     rewriter = _Rewriter(mod, fmt, target, report, activations, prepacked)
     for gv, func in mod.functions_items():

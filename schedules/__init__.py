@@ -1,34 +1,44 @@
-"""Schedule rules, one per target family; the first rule that accepts a kernel wins.
+"""Schedule rules, one module per target family; the family is picked by ``target.kind``.
 
-A rule is ``rule(func, target) -> Schedule | None``; None means "not mine".
-Rules read the format description the compute attached to the PrimFunc.
+A family module provides ``facts(target) -> KernelFacts`` (what the graph pass needs:
+column block, row tile, GEMV/prefill threshold, which kernels exist), ``rules()`` (each
+``rule(func, target) -> Schedule | None``; None means "not mine", the first that accepts
+a kernel wins) and ``schedule_generic_ops(mod, target)`` for the ops around the kernels.
+Rules read the format description the compute attached to the PrimFunc. Adding a target
+family is adding its modules and one line in ``FAMILIES``.
 """
 from __future__ import annotations
+
+import importlib
 
 import tvm
 
 from qtvm.errors import QtvmError
-from schedules import x86, x86_dense, x86_gemm, x86_lut
+from schedules.facts import KernelFacts
 
-RULES = [
-    x86.schedule_qmatmul_x86,
-    x86.schedule_qmatmul_a8_x86,
-    x86.schedule_qmatmul_a8_gemm_x86,
-    x86.schedule_quantize_activations_x86,
-    x86.schedule_sparse_outliers_x86,
-    x86_gemm.schedule_qmatmul_gemm_x86,
-    x86_lut.schedule_lut_gemv_x86,
-    x86_dense.schedule_dense_x86,
-    x86_lut.schedule_lut16_gemv_x86,
-]
+FAMILIES = {"llvm": "schedules.x86", "cuda": "schedules.gpu", "opencl": "schedules.gpu"}
+
+
+def family(target: tvm.target.Target):
+    """The rule module of ``target``'s family."""
+    kind = target.kind.name
+    if kind not in FAMILIES:
+        raise QtvmError(f"no qtvm schedules for target kind '{kind}'", f"use one of: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[kind])
+
+
+def facts(target: tvm.target.Target) -> KernelFacts:
+    return family(target).facts(target)
 
 
 def schedule_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
-    for rule in RULES:
+    for rule in family(target).rules():
         sch = rule(func, target)
         if sch is not None:
             return sch.mod["main"]
-    raise QtvmError(f"no qtvm schedule for target kind '{target.kind.name}' yet", "use an llvm target")
+    kind = func.attrs.get("qtvm.kernel", "?") if func.attrs is not None else "?"
+    raise QtvmError(f"no qtvm schedule for the '{kind}' kernel on target kind '{target.kind.name}'",
+                    "report it: the target's facts promised this kernel")
 
 
 def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
@@ -36,6 +46,11 @@ def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
 
 
+def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The family's schedules for the ops around the packed kernels."""
+    return family(target).schedule_generic_ops(mod, target)
+
+
 def column_block(target: tvm.target.Target) -> int:
-    """Weight column-block width the target's rule streams."""
-    return x86.col_block(target)
+    """Weight column-block width the target's rules stream."""
+    return facts(target).col_block

@@ -35,7 +35,44 @@ def _rewrite_block(block):
                              block.alloc_buffers, block.match_buffers, block.annotations)
 
 
+_REGISTERED: list = []
+
+
+def register_exact_reducers() -> None:
+    """Teach TVM's schedule analysis max from -inf and min from +inf (once per process).
+
+    rfactor and cross-thread reductions recognise a reduction by its combiner *and* its
+    identity, from a fixed list whose max starts at the lowest finite float; a rewritten
+    block would not be recognised (x86: the lanes' rfactor of a max fails and the function
+    stays unscheduled; GPU: dlight's cross-thread reductions fail to lower). Registered,
+    the partial results start from -inf and a cross-thread max pads idle lanes with -inf.
+    The getters are Python functions kept alive for the life of the process (one extra
+    reference each): TVM's registry is a C++ static destroyed after the interpreter, and
+    releasing a Python function then would crash the process at exit."""
+    if _REGISTERED:
+        return
+    import ctypes
+
+    def identity(infinity: float):
+        def get(values):
+            dtype = str(values[0].ty)
+            if dtype.startswith(("float", "bfloat")):
+                return [tirx.const(infinity, dtype)]
+            return [tirx.max_value(dtype) if infinity > 0 else tirx.min_value(dtype)]
+        return get
+
+    register = tvm.get_global_func("s_tir.schedule.RegisterReducer")
+    for combine, infinity in ((tirx.Max, -np.inf), (tirx.Min, np.inf)):
+        getters = (tvm_ffi.convert(lambda x, y, combine=combine: [combine(x[0], y[0])]),
+                   tvm_ffi.convert(identity(infinity)))
+        for getter in getters:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(getter))
+        register(1, *getters)
+        _REGISTERED.append(getters)
+
+
 def exact_reduction_identities_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    register_exact_reducers()
     return tvm_ffi.structural_map(func, (s_tir.stmt.SBlock, _rewrite_block))
 
 

@@ -22,6 +22,34 @@ def col_block(target: tvm.target.Target) -> int:
     return 64
 
 
+# -- the x86 family (schedules/__init__.py picks it for llvm targets) ----------------------
+GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per row (measured M = 3)
+
+
+def facts(target: tvm.target.Target):
+    from qtvm.intrin.x86 import ROW_TILE
+    from schedules.facts import KernelFacts
+    from schedules.x86_lut import prefer_lut16
+
+    return KernelFacts(family="x86", col_block=col_block(target), gemv_max_rows=GEMV_MAX_ROWS,
+                       row_tile=ROW_TILE, int8_activations=bool(dot_isa(target)), activations=("fp32", "int8"),
+                       lut16_gemv=lambda fmt, k: prefer_lut16(fmt, k, target))
+
+
+def rules() -> list:
+    from schedules import x86_dense, x86_gemm, x86_lut
+
+    return [schedule_qmatmul_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
+            schedule_quantize_activations_x86, schedule_sparse_outliers_x86, x86_gemm.schedule_qmatmul_gemm_x86,
+            x86_lut.schedule_lut_gemv_x86, x86_dense.schedule_dense_x86, x86_lut.schedule_lut16_gemv_x86]
+
+
+def schedule_generic_ops(mod, target: tvm.target.Target):
+    from schedules.x86_generic import schedule_generic_ops as generic
+
+    return generic(mod, target)
+
+
 def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, tile_cols=None, unroll=None,
                          local_partials: bool = True, parallel: bool = True) -> s_tir.Schedule | None:
     """The hand schedule; the keyword knobs (defaults = the hand schedule) are for the tuner."""

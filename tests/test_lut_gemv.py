@@ -8,7 +8,7 @@ from qtvm import lut_gemv, ops
 from qtvm.errors import QtvmError
 from qtvm.formats import UniformFormat, get_format
 from qtvm.formats.bcq import BCQFormat, from_uniform
-from schedules import RULES
+from schedules import family
 from schedules.x86_lut import schedule_lut_gemv_x86
 from tests.kernels import AVX2 as TARGET
 from tests.kernels import NB, compile_scheduled, rel_err, run_blocked
@@ -33,7 +33,7 @@ def test_rejects_non_bcq_formats():
 
 def test_rule_only_takes_lut_kernels_on_llvm():
     fmt = get_format("bcq2-g32")
-    assert schedule_lut_gemv_x86.__name__ in {r.__name__ for r in RULES}
+    assert schedule_lut_gemv_x86.__name__ in {r.__name__ for r in family(TARGET).rules()}
     assert schedule_lut_gemv_x86(ops.qmatmul_func(fmt, 64, 8, NB), TARGET) is None
     lut = lut_gemv.lut_gemv_func(fmt, 64, 8, NB)
     assert schedule_lut_gemv_x86(lut, tvm.target.Target({"kind": "c"})) is None
@@ -59,7 +59,7 @@ def test_scheduled_kernel_matches_reference(fmt, k, n):
     rng = np.random.default_rng(k + n)
     qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
     deq = qt.dequantize().astype(np.float64)
-    lib = compile_scheduled(lut_gemv.lut_gemv_func(qt.fmt, k, n, NB), TARGET)  # through RULES
+    lib = compile_scheduled(lut_gemv.lut_gemv_func(qt.fmt, k, n, NB), TARGET)  # through the family's rules
     for m in (1, 17):
         x = rng.standard_normal((m, k)).astype(np.float32)
         out = run_blocked(lib, x, qt)

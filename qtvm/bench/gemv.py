@@ -172,11 +172,13 @@ def add_bench_parser(subparsers):
     g = bsub.add_parser("gemv", help="qtvm GEMV kernels vs read bandwidth, torch fp32/int4, ORT MatMulNBits")
     g.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in DEFAULT_SHAPES], metavar="KxN")
     g.add_argument("--formats", default=",".join(DEFAULT_FORMATS))
-    g.add_argument("--act", default="fp32,int8", help="activation modes of qtvm kernels (fp32, int8)")
+    g.add_argument("--act", default="fp32,int8", help="activation modes of qtvm kernels (fp32, int8; on a GPU "
+                                                      "fp32, fp16)")
     g.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     g.add_argument("--peers", default=",".join(PEERS), help="comma list, or 'none'")
     g.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    g.add_argument("--target", default="host")
+    g.add_argument("--target", default="host", help="host, an llvm target, or cuda (-arch=sm_XX optional: the "
+                                                      "device's): GPU kernels vs HBM bandwidth and torch fp16")
     g.add_argument("--json", type=Path, default=Path("out/bench_gemv.json"))
     g.set_defaults(fn=bench_command)
     return bsub
@@ -203,6 +205,15 @@ def bench_command(args) -> int:
     if args.rounds < 1:
         raise QtvmError("--rounds must be >= 1")
     acts = [a for a in args.act.split(",") if a]
+    if args.target.split()[0] == "cuda":  # the GPU bench (qtvm/bench/gpu_gemv.py)
+        from qtvm.bench import gpu_gemv
+
+        acts = [a for a in acts if a != "int8"] or ["fp32"]
+        if set(acts) - {"fp32", "fp16"}:
+            raise QtvmError(f"--act on a GPU takes fp32 and/or fp16, not {args.act}")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        gpu_gemv.run(shapes, [f for f in args.formats.split(",") if f], args.target, acts, args.rounds, args.json)
+        return 0
     if set(acts) - {"fp32", "int8"}:
         raise QtvmError(f"--act takes fp32 and/or int8, not {args.act}")
     peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p]

@@ -102,11 +102,13 @@ class QuantFormat(ABC):
         in byte-plane order (``qtvm.ops.a8_arrays`` re-lays 3-bit runs)."""
         return None
 
-    def kernel_parts(self, qt: QuantizedTensor) -> "KernelParts":
+    def kernel_parts(self, qt: QuantizedTensor, **options) -> "KernelParts":
         """How the compiler runs this tensor: by default one kernel on all rows.
 
         Composite formats (mixed precision) split W into row subsets, each a
-        tensor of a simpler format, plus an optional sparse correction.
+        tensor of a simpler format, plus an optional sparse correction. ``options``
+        come from the target's facts (``KernelFacts.parts_options``); formats ignore
+        the ones they do not know.
         """
         return KernelParts([(None, qt)], None)
 

@@ -317,9 +317,11 @@ class MixedFormat(QuantFormat):
         indptr = a["outlier_indptr"] if len(a["outlier_indptr"]) else np.zeros(qt.n + 1, np.int32)
         return indptr, a["outlier_indices"], a["outlier_values"]
 
-    def kernel_parts(self, qt: QuantizedTensor) -> KernelParts:
-        """Two uniform kernels on gathered activations plus the CSR outliers."""
-        idx4, part4, idx2, part2, csr = mixed_parts(qt)
+    def kernel_parts(self, qt: QuantizedTensor, second_order: bool = False, **_) -> KernelParts:
+        """Two uniform kernels on gathered activations plus the CSR outliers; with
+        ``second_order`` the 2-bit part keeps its 4-bit scale codes (``SecondOrder2Bit``)
+        and its kernel dequantizes them as it loads each group's weights."""
+        idx4, part4, idx2, part2, csr = mixed_parts(qt, second_order=second_order)
         dense = [(idx.astype(np.int64), part) for idx, part in ((idx4, part4), (idx2, part2)) if part is not None]
         return KernelParts(dense, csr if len(csr[2]) else None)
 
@@ -357,12 +359,15 @@ def _mid_rise(grouped: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 # -- kernels' view ----------------------------------------------------------------------
-def mixed_parts(qt: QuantizedTensor):
-    """(idx4, 4-bit UniformFormat tensor | None, idx2, 2-bit UniformFormat tensor | None, csr).
+def mixed_parts(qt: QuantizedTensor, second_order: bool = False):
+    """(idx4, 4-bit UniformFormat tensor | None, idx2, 2-bit tensor | None, csr).
 
     ``x @ W == x[:, idx4] @ W4 + x[:, idx2] @ W2 + x @ S``; each part runs on
     ``qtvm.ops.qmatmul_func`` unchanged. The 2-bit part's scales are the
-    second-order scales dequantized to float32 here, at pack time.
+    second-order scales dequantized to float32 here, at pack time, or with
+    ``second_order`` left as stored (4-bit codes + fp16 scale/min per ``g2`` groups,
+    ``SecondOrder2Bit``), for kernels that dequantize them while the weights load:
+    0.25 + 2/g2 bits per weight instead of 2 for fp32 scales per 16 weights.
     """
     fmt = qt.fmt
     if not isinstance(fmt, MixedFormat):
@@ -374,10 +379,73 @@ def mixed_parts(qt: QuantizedTensor):
         s4 = a["scales4"].astype(np.float32)
         part4 = QuantizedTensor(fmt.four, len(idx4), qt.n, {
             "qweight": a["q4"], "scales": s4, "zeros": (-a["mins4"].astype(np.float32) / s4).astype(np.float32)})
-    if len(idx2):
+    if len(idx2) and second_order:
+        part2 = QuantizedTensor(SecondOrder2Bit(fmt.g1, fmt.g2, fmt.scale_bits), len(idx2), qt.n, {
+            "qweight": a["q2"], "qscales": a["qscales2"], "sscale": a["sscale2"], "smin": a["smin2"]})
+    elif len(idx2):
         part2 = QuantizedTensor(fmt.two, len(idx2), qt.n, {
             "qweight": a["q2"], "scales": scales2, "zeros": np.full_like(scales2, 1.5)})
     return idx4, part4, idx2, part2, fmt.outliers(qt)
+
+
+@dataclass(frozen=True)
+class SecondOrder2Bit(UniformFormat):
+    """The 2-bit part of a mixed tensor as stored: w = (q - 1.5) * s, the group scale
+    s = smin[g // g2] + code[g] * sscale[g // g2] decoded in the kernel (from the
+    ``scale_bits``-bit codes packed along groups, fp16 scale-of-scales and minimum).
+    Only a kernel view: quantizing is ``MixedFormat``'s."""
+
+    g2: int = 16
+    scale_bits: int = 4
+
+    def __init__(self, g1: int, g2: int, scale_bits: int):
+        UniformFormat.__init__(self, 2, g1)
+        object.__setattr__(self, "g2", g2)
+        object.__setattr__(self, "scale_bits", scale_bits)
+
+    @property
+    def name(self) -> str:
+        return f"int2-g{self.group_size}-so{self.scale_bits}x{self.g2}"
+
+    def _scale_format(self) -> UniformFormat:
+        return UniformFormat(self.scale_bits, None)
+
+    def array_rows(self, k: int) -> dict[str, int]:
+        groups = self.num_groups(k)
+        fmt_s = self._scale_format()
+        so_groups = -(-groups // self.g2)  # codes are stored for whole second-order groups
+        return {"qweight": self.word_rows(k), "qscales": fmt_s.word_rows(so_groups * self.g2),
+                "sscale": so_groups, "smin": so_groups}
+
+    def array_dtype(self, name: str) -> str:
+        return {"qweight": "int32", "qscales": "int32"}.get(name, "float16")
+
+    def describe(self) -> dict:
+        return dict(super().describe(), zeros="mid-rise", scales=f"second-order-{self.scale_bits}bit-g{self.g2}")
+
+    def group_scale(self, load, g):
+        code = self._scale_format()._te_code(lambda row: load("qscales", row), g).astype("float32")
+        so = g // self.g2
+        return load("smin", so).astype("float32") + code * load("sscale", so).astype("float32")
+
+    def te_group_coefs(self, load, g):
+        s = self.group_scale(load, g)
+        return [s], s * -1.5
+
+    def quantize(self, w: np.ndarray, name: str = "weight") -> QuantizedTensor:
+        raise QtvmError(f"{self.name} is the kernel view of mixed-2-4-16's 2-bit part", "quantize with mixed-2-4-16")
+
+    def dequantize_reference(self, qt: QuantizedTensor) -> np.ndarray:
+        groups = self.num_groups(qt.k)
+        fmt_s = self._scale_format()
+        rows = qt.arrays["qscales"].shape[0] // fmt_s.words_per_block * fmt_s.values_per_block
+        codes = fmt_s.unpack(qt.arrays["qscales"], rows)[:groups]
+        ss = np.repeat(qt.arrays["sscale"].astype(np.float32), self.g2, axis=0)[:groups]
+        sm = np.repeat(qt.arrays["smin"].astype(np.float32), self.g2, axis=0)[:groups]
+        scales = sm + codes.astype(np.float32) * ss
+        kp = self.padded_k(qt.k)
+        w = (self.unpack(qt.arrays["qweight"], kp).astype(np.float64) - 1.5) * np.repeat(scales, self.group_size, axis=0)
+        return w[: qt.k].astype(np.float32)
 
 
 def mixed_matmul_reference(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:

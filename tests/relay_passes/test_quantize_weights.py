@@ -45,6 +45,62 @@ def test_same_shape_shares_one_kernel():
     assert sorted(kernels) == ["qmatmul_gemm_int4_g32_64x64", "qmatmul_int4_g32_64x64"]
 
 
+# -- the pass asks the target's facts; GPU targets ------------------------------------------
+def test_gpu_target_builds_gpu_kernels_on_padded_columns():
+    from qtvm.target import parse_target
+    from schedules import facts
+
+    cuda = parse_target("cuda -arch=sm_80")
+    mod, report = quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), cuda)
+    prims = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {n.split("_int4")[0] for n in prims} == {"qmatmul", "qmatmul_gemm"}
+    for func in prims.values():
+        assert "threadIdx.x" in func.script()  # scheduled by the GPU family's rules
+        assert int(func.attrs["qtvm.format"]["col_block"]) == facts(cuda).col_block == 1
+        assert int(func.attrs["qtvm.format"]["n"]) % facts(cuda).col_pad == 0  # 70 and 37 padded to 128, 64
+    assert "R.strided_slice" in mod.script()  # y cut back to N
+    assert [(layer.k, layer.n) for layer in report.layers] == [(100, 70), (70, 37)]
+
+
+def test_format_family_a_target_lacks_is_named_with_the_ones_it_has():
+    from qtvm.errors import QtvmError
+    from schedules.facts import KernelFacts
+
+    facts = KernelFacts(family="test", col_block=1, gemv_max_rows=1, formats=frozenset({"uniform", "e0m4"}))
+    with pytest.raises(QtvmError, match=r"bcq3-g128 \(bcq family\) has no kernels for target cuda yet; "
+                                        r"formats built for cuda: uniform, e0m4"):
+        facts.check_format(get_format("bcq3-g128"), "cuda")
+    with pytest.raises(QtvmError, match="--act fp16 has no kernels for target test"):
+        facts.check_activations("fp16", "test")
+
+
+def test_int8_activations_on_a_gpu_fall_back_with_a_note():
+    from qtvm.target import parse_target
+
+    _, report = quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), parse_target("cuda -arch=sm_90"),
+                                 activations="int8")
+    assert report.fp32_activation_fallbacks and "cuda" in report.fp32_activation_fallbacks[0]
+
+
+def test_fp16_activations_on_a_gpu_use_the_fp16_gemv():
+    from qtvm.target import parse_target
+
+    mod, report = quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), parse_target("cuda -arch=sm_90"),
+                                   activations="fp16")
+    names = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {n.split("_int4")[0] for n in names} == {"qmatmul_f16", "qmatmul_gemm"} and not report.fp32_activation_fallbacks
+    _, report = quantize_weights(import_onnx(mlp_model()), get_format("int3-g32"), parse_target("cuda -arch=sm_90"),
+                                 activations="fp16")
+    assert report.fp32_activation_fallbacks and "no fp16 kernel" in report.fp32_activation_fallbacks[0]
+
+
+def test_fp16_activations_are_named_where_a_target_has_none():
+    from qtvm.errors import QtvmError
+
+    with pytest.raises(QtvmError, match="--act fp16 has no kernels for target llvm; use one of: fp32, int8"):
+        quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), TARGET, activations="fp16")
+
+
 @pytest.mark.parametrize("preset", ["bcq3-g32", "bcq2-g64"])
 def test_bcq_gemv_runs_the_lut16_kernel(preset):
     """BCQ decode matmuls take the 16-entry LUT kernel (schedules.x86_lut.prefer_lut16);

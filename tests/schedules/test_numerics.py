@@ -52,3 +52,32 @@ def test_other_reductions_and_int_max_are_untouched():
     assert exact_reduction_identities(mod).same_as(mod)
     ints = _reduce_module("max", "int32")
     assert exact_reduction_identities(ints).same_as(ints)
+
+
+def test_rewritten_reductions_still_take_rfactor_on_x86():
+    """With max from -inf, TVM's rfactor must still recognise the reduction (the reducers
+    registered by schedules.numerics): the x86 rule vectorizes softmax over a constant 64
+    through rfactor over the lanes instead of leaving it unscheduled; rows of -inf give NaN
+    as numpy does, every other row numpy's softmax."""
+    from tvm import relax, tirx
+
+    from schedules.x86_generic import schedule_generic_ops
+    from tests.kernels import AVX2
+
+    n = tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([n, 64], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.softmax(x, axis=1))
+        bb.emit_func_output(out)
+    mod = schedule_generic_ops(bb.get(), AVX2)
+    (softmax,) = [f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert softmax.attrs.get("tir.is_scheduled") and "_rf" in softmax.script()
+    vm = relax.VirtualMachine(tvm.compile(mod, target=AVX2), tvm.cpu())
+    xs = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    xs[2] = -np.inf
+    got = vm["main"](tvm.runtime.tensor(xs)).numpy()
+    with np.errstate(invalid="ignore"):
+        e = np.exp(xs - xs.max(axis=1, keepdims=True))
+        np.testing.assert_allclose(got, e / e.sum(axis=1, keepdims=True), rtol=1e-5)

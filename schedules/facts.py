@@ -1,0 +1,67 @@
+"""What the graph pass needs to know of a target family's kernels (and nothing else).
+
+The pass (``relay_passes/quantize_weights.py``) never imports a target module: it asks
+``schedules.facts(target)`` for a :class:`KernelFacts` and builds the kernels those facts
+name. A family fills them in from its own tables (``schedules/x86.py``, ``schedules/gpu.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from qtvm.errors import QtvmError
+
+#: Format families (``describe()["family"]``) a target may build kernels for.
+FORMAT_FAMILIES = ("uniform", "bcq", "e0m4", "mixed")
+
+
+def _no_options(fmt, k: int) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """family: the rule family's name ("x86", "gpu").
+    col_block: columns per stored block, the ``nb`` of ``[ceil(N/nb), rows, nb]``.
+    gemv_max_rows: M <= this runs the decode kernel, larger M the prefill kernel.
+    row_tile: rows per tile of the int8-activation prefill kernel (0 where there is none).
+    int8_activations: whether the target has int8-activation kernels at all.
+    formats: format families whose kernels this target builds.
+    activations: the ``--act`` modes this target builds kernels for.
+    decode_kernel: format family -> compute of its decode kernel ("qmatmul" unless named).
+    gemv_options(fmt, k): keyword arguments for ``qtvm.ops.qmatmul_func`` (e.g. the K chunk
+        one GPU lane reduces before applying group coefficients).
+    col_pad: N is padded with zero columns to a multiple of this (the pass slices y), so
+        kernels walk whole column tiles without guards.
+    f16_activations(fmt, k): whether the fp16-activation decode kernel exists for it.
+    parts_options: keyword arguments for a composite format's ``kernel_parts`` (the GPU
+        runs mixed-2-4-16's 2-bit part on its stored second-order scales).
+    lut16_gemv(fmt, k): whether a decode matmul runs the 16-entry LUT kernel (x86 BCQ).
+    """
+
+    family: str
+    col_block: int
+    gemv_max_rows: int
+    row_tile: int = 0
+    int8_activations: bool = False
+    formats: frozenset = frozenset(FORMAT_FAMILIES)
+    activations: tuple = ("fp32",)
+    decode_kernel: dict = field(default_factory=dict)
+    gemv_options: Callable = _no_options
+    col_pad: int = 1
+    f16_activations: Callable = lambda fmt, k: False  # noqa: E731
+    parts_options: dict = field(default_factory=dict)
+    lut16_gemv: Callable = lambda fmt, k: False  # noqa: E731
+
+    def check_format(self, fmt, target_name: str) -> None:
+        """A format family this target has no kernels for is named with the ones it has."""
+        family = str(fmt.describe().get("family", "uniform"))
+        if family not in self.formats:
+            built = ", ".join(f for f in FORMAT_FAMILIES if f in self.formats)
+            raise QtvmError(f"{fmt.name} ({family} family) has no kernels for target {target_name} yet",
+                            f"formats built for {target_name}: {built}")
+
+    def check_activations(self, activations: str, target_name: str) -> None:
+        if activations not in self.activations and activations != "int8":  # int8 falls back, with a note
+            raise QtvmError(f"--act {activations} has no kernels for target {target_name}",
+                            f"use one of: {', '.join(self.activations)}")

@@ -1,0 +1,160 @@
+"""Decode GEMV rule for GPU targets (CUDA, OpenCL): the ``qmatmul`` compute.
+
+The compute (``qtvm.ops.qmatmul_func`` with ``chunk``) sums, per chunk c of K,
+``coef[g(c)] * sum_{k in c} x_k decode(k) + offset[g(c)] * sum_{k in c} x_k``. Here:
+
+    grid   (ceil(N / (warps * cols)), M)        one block row per activation row
+    block  (lanes, warps)                       lanes split K, each warp owns ``cols`` columns
+    per lane, for each of its chunks c = co * lanes + lane:
+        w[cols, words] = the chunk's packed words of each column      (128-bit loads)
+        P[cols] = sum over the chunk's values of x_k * decode(w)       (unrolled, x_k in a register
+                                                                        is used by every column)
+        X = sum of the chunk's x_k
+        acc_rf[cols] += coef * P + offset * X
+    then acc[cols] = sum over lanes of acc_rf   (a cross-thread reduction: warp shuffles on
+    CUDA, local memory on OpenCL), and y = acc.
+
+Consecutive lanes read consecutive chunks of one column, so a warp's loads of a column
+are one contiguous run (512 bytes for 16-byte chunks). With one stored column per block
+(``col_block = 1``) a column's words start at a multiple of 16 bytes whenever the
+column's word rows are a multiple of 4; the vector load is used only then.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir
+
+from qtvm import ops
+from schedules import gpu
+
+
+def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, lanes: int | None = None,
+                         warps: int | None = None, cols: int | None = None) -> s_tir.Schedule | None:
+    """The analytic schedule; the keyword knobs (defaults from ``gpu.params``) are for tuning.
+    Takes the exact fp32 kernel ("qmatmul") and the fp16-activation one ("qmatmul_f16",
+    whose decoded run is one CUDA TensorIntrin on CUDA targets)."""
+    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
+        return None
+    desc = func.attrs[ops.FORMAT_ATTR]
+    if int(desc["col_block"]) != 1:
+        return None  # the lane-per-chunk walk needs each column's K contiguous
+    p = gpu.params(target)
+    f16_cols = max(1, p.cols // 2)  # fp16 values take a 32-bit register each: 4 columns spilled on sm_80
+    lanes, warps = lanes or p.lanes, warps or p.warps
+    cols = cols or (f16_cols if str(desc.get("activations", "fp32")) == "fp16" else p.cols)
+    sch = s_tir.Schedule(func)
+    apply_qmatmul_gpu(sch, desc, lanes=lanes, warps=warps, cols=cols, tensorize=target.kind.name == "cuda")
+    return sch
+
+
+def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols: int, tensorize: bool = False) -> None:
+    terms = int(desc["terms"])
+    out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
+    xsum = sch.get_sblock(ops.BLOCK_XSUM)
+    parts = [sch.get_sblock(ops.partial_block(t)) for t in range(terms)]
+    f16 = str(desc.get("activations", "fp32")) == "fp16"
+    if f16:  # each packed run decoded by one intrinsic: blockized first, so the lane split's
+        decode_blocks = _decode_runs(sch, desc, tensorize)  # tail guard lands on the run block
+
+    # Lanes split the chunk loop; rf[lane, i, j] holds each lane's share of acc. A K of
+    # at most ``lanes`` chunks gets one lane per chunk.
+    chunks = int(desc["padded_k"]) // int(desc.get("chunk", desc["group"]))
+    lanes = min(chunks, lanes)
+    i, j, c = sch.get_loops(acc)
+    co, lane = sch.split(c, [None, lanes])
+    rf = sch.rfactor(lane, 0)
+    i, j, co, lane = sch.get_loops(rf)
+    jb, jw, jc = sch.split(j, [None, warps, cols])
+    sch.reorder(i, jb, jw, lane, co, jc)
+    sch.bind(i, "blockIdx.y")
+    sch.bind(jb, "blockIdx.x")
+    sch.bind(jw, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+    sch.set_scope(rf, 0, "local")
+
+    # Per chunk: the columns' packed words, the partial dot of every term, the x sum.
+    for part in parts:
+        sch.compute_at(part, co)
+        sch.set_scope(part, 0, "local")
+        p_cols, p_k = sch.get_loops(part)[-2:]
+        if not f16:
+            sch.reorder(p_k, p_cols)  # one x_k feeds every column
+        sch.unroll(p_k)
+        sch.unroll(p_cols)
+    sch.compute_at(xsum, co)
+    sch.set_scope(xsum, 0, "local")
+    sch.unroll(sch.get_loops(xsum)[-1])
+    if f16:
+        # The chunk's fp16 activations in registers, then column by column: decode the
+        # column's runs (one TensorIntrin each) and its half-precision dot.
+        xh = sch.get_sblock(ops.BLOCK_XH)
+        sch.compute_at(xh, co)
+        sch.set_scope(xh, 0, "local")
+        sch.unroll(sch.get_loops(xh)[-1])
+        decode, words = decode_blocks
+        sch.compute_at(decode, sch.get_loops(parts[0])[-2])
+        _cache_weight_words(sch, [decode], co, desc, words)
+        sch.unroll(sch.get_loops(decode)[-1])  # each value or run: registers take constant indices only
+    else:
+        _cache_weight_words(sch, parts, co, desc)
+    sch.unroll(jc)
+
+    # Cross-lane sum per column, then y.
+    sch.reverse_compute_at(acc, jw)
+    lane_sum, col = sch.get_loops(acc)[-2:]
+    sch.reorder(col, lane_sum)
+    sch.bind(lane_sum, "threadIdx.x")
+    sch.set_scope(acc, 0, "local")
+    sch.reverse_compute_at(out, jw)
+    for loop in gpu.loops_below(sch, out, jw):
+        sch.unroll(loop)
+    for part in parts:
+        sch.decompose_reduction(part, sch.get_loops(part)[-2])
+    sch.decompose_reduction(xsum, sch.get_loops(xsum)[-1])
+    if chunks % lanes == 0:
+        sch.decompose_reduction(rf, co)
+    # Else TVM cannot hoist the init out of a split with a tail (the bindings are not
+    # affine); it stays as "if first chunk iteration: zero", which every lane runs,
+    # since there are at least as many chunks as lanes.
+
+
+def _cache_weight_words(sch: s_tir.Schedule, parts, co, desc, words=None) -> None:
+    """The chunk's packed words of each column in registers, read with 128-bit loads where
+    every column's run starts 16-byte aligned (word rows and words per chunk multiples of 4)."""
+    name = "bits" if str(desc.get("family")) == "bcq" else "qweight"
+    if words is None:
+        words = sch.cache_read(parts[0], name, "local", consumer_blocks=parts)
+    sch.compute_at(words, co)
+    loops = sch.get_loops(words)
+    chunk_words = int(desc.get("chunk", desc["group"])) * gpu.stored_bits(desc) // 32
+    rows = int(desc["padded_k"]) * gpu.stored_bits(desc) // 32
+    inner = loops[-1]
+    if chunk_words % 4 == 0 and rows % 4 == 0 and int(desc.get("chunk", desc["group"])) * gpu.stored_bits(desc) % 32 == 0:
+        _, vec = sch.split(inner, [None, 4])
+        sch.vectorize(vec)
+    for loop in sch.get_loops(words)[-3:-1] if chunk_words > 4 else []:
+        sch.unroll(loop)
+
+
+def _tensorized(desc, tensorize: bool) -> bool:
+    from qtvm.intrin import cuda as intrin
+
+    return tensorize and int(desc["chunk"]) % intrin.RUNS[str(desc["unpack"])][1] == 0
+
+
+def _decode_runs(sch: s_tir.Schedule, desc, tensorize: bool):
+    """The fp16 decode stage and its packed words, both in registers; each run decoded by
+    one CUDA TensorIntrin (lop3/prmt/exponent-OR, ``qtvm.intrin.cuda``) where chunks hold
+    whole runs, else (OpenCL) the plain decode. Returns (decode block, words block)."""
+    from qtvm.intrin import cuda as intrin
+
+    decode = sch.get_sblock(ops.BLOCK_DECODE)
+    words = sch.cache_read(decode, "qweight", "local")
+    sch.set_scope(decode, 0, "local")
+    values = intrin.RUNS[str(desc["unpack"])][1]
+    if _tensorized(desc, tensorize):
+        _, d_k = sch.get_loops(decode)
+        run, run_values = sch.split(d_k, [None, values])
+        sch.tensorize(run_values, intrin.intrin_name(str(desc["unpack"])))
+        decode = sch.get_sblock(ops.BLOCK_DECODE + "_o")
+    return decode, words
