@@ -86,7 +86,9 @@ class GpuKnobSpace:
         if self.kernel == lut_gemv.KERNEL:
             gpu_lut.apply_lut_gemv_gpu(sch, self.desc, **chosen)
         else:
-            gpu_gemv.apply_qmatmul_gpu(sch, self.desc, tensorize=self.tensorize, **chosen)
+            from qtvm.intrin import cuda
+
+            gpu_gemv.apply_qmatmul_gpu(sch, self.desc, intrinsics=cuda if self.tensorize else None, **chosen)
         return chosen
 
     def design_spaces(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
