@@ -26,6 +26,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", action="append", required=True)
     p.add_argument("--preset", action="append", help="default: every preset")
+    p.add_argument("--act", default="fp32", help="activations (fp32, fp16, fp16-acc16 on OpenCL, ...)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     rows = []
@@ -35,8 +36,8 @@ def main() -> int:
             for target in args.target:
                 start = time.perf_counter()
                 try:
-                    result = compile_model(model, Path(tmp) / "m.so", target, preset)
-                    row = {"preset": preset, "target": target, "ok": True, "seconds": round(time.perf_counter() - start, 1),
+                    result = compile_model(model, Path(tmp) / "m.so", target, preset, args.act)
+                    row = {"preset": preset, "target": target, "act": args.act, "ok": True, "seconds": round(time.perf_counter() - start, 1),
                            "bytes": result.path.stat().st_size, "gpu_arch": result.metadata.get("required_gpu_arch")}
                 except QtvmError as e:
                     row = {"preset": preset, "target": target, "ok": False, "error": str(e)}

@@ -116,8 +116,27 @@ def rules() -> list:
             gpu_sparse.schedule_outliers_gpu]
 
 
+def dlight_rules() -> list:
+    """TVM's dlight GPU rules as ``gpu_generic`` runs them, but dlight's Matmul with its
+    generic config on OpenCL: its Adreno config (also taken for any OpenCL target with an
+    Android host) stores 8-vectors whose addresses hold symbolic floor divisions, and TVM
+    0.27's OpenCL code generator then prints the division's helper variables inside the
+    ``vstore8`` call: the source does not compile (the bundled model's attention matmul)."""
+    from tvm.s_tir import dlight as dl
+
+    from schedules.gpu_generic import dlight_rules as gpu_rules
+
+    class Matmul(dl.gpu.Matmul):
+        def get_configs(self, target):
+            return dl.gpu.Matmul.Config() if target.kind.name == "opencl" else super().get_configs(target)
+
+    return [Matmul() if isinstance(rule, dl.gpu.Matmul) else rule for rule in gpu_rules()]
+
+
 def schedule_generic_ops(mod, target: tvm.target.Target):
-    return gpu.schedule_generic_ops(mod, target)
+    from schedules.gpu_generic import schedule_generic_ops as generic
+
+    return generic(mod, target, rules=dlight_rules())
 
 
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 
 from qtvm import ops
 from qtvm.errors import QtvmError
@@ -103,3 +104,95 @@ def test_family_is_picked_by_kind():
     from schedules import family
 
     assert family(MALI) is opencl and family(tvm.target.Target("opencl")) is opencl
+
+
+@needs_opencl
+def test_ops_around_the_kernels_on_opencl(tiny_llama_path):
+    """The bundled model's other functions (norms, RoPE, softmax, attention, SwiGLU), scheduled
+    by TVM's dlight GPU rules with each device's limits and dlight's own Mali/Adreno configs:
+    every function scheduled differently from the CUDA schedule (which
+    ``test_gpu_generic.py`` checks) runs on PoCL against the same function unscheduled on the
+    CPU, with batch and seq bound to 1 and 67. (dlight's Adreno matmul config made
+    source that does not compile: ``opencl.dlight_rules``.)"""
+    from qtvm.formats.mixed import SPARSE_ATTR
+    from qtvm.pipeline import build_module
+    from qtvm.testing.differential import compare_on_opencl
+    from schedules import gpu_generic
+    from tests.gpu import SM80
+    from tests.schedules.test_gpu_generic import _outputs_per_function
+
+    mod, *_ = build_module(tiny_llama_path, MALI, "int4-g128")
+    fused = gpu_generic.legalize_and_fuse(mod, MALI)
+    seen = {}  # name -> schedules already checked (CUDA's by test_gpu_generic.py)
+    for gv, func in gpu_generic.schedule_generic_ops(mod, SM80).functions.items():
+        seen[gv.name_hint] = [func.without_attr("target")] if isinstance(func, tvm.tirx.PrimFunc) else []
+    checked, failures = [], {}
+    for target in (MALI, ADRENO):
+        done = opencl.schedule_generic_ops(mod, target)
+        outputs = _outputs_per_function(done)
+        for gv, func in done.functions.items():
+            name = gv.name_hint
+            if not isinstance(func, tvm.tirx.PrimFunc) or name not in fused or SPARSE_ATTR in (func.attrs or {}) \
+                    or gpu_generic.is_scheduled(fused[name]):
+                continue  # qtvm kernels and the row scan are tested on their own
+            plain = func.without_attr("target")
+            if any(tvm_ffi.structural_equal(plain, other) for other in seen.get(name, [])):
+                continue  # a schedule checked already
+            seen.setdefault(name, []).append(plain)
+            result = compare_on_opencl(func, fused[name], outputs.get(name, 1), dims=(1, 67), name=name)
+            checked.append(f"{target.attrs['device']}:{name}")
+            if not result.worst <= 2e-6:
+                failures[checked[-1]] = result.errors
+    print(f"{len(checked)} schedules of Mali/Adreno that differ from CUDA's, checked: {checked}")
+    assert checked and not failures, failures
+
+
+def _qtvm(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "qtvm.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_cli_compiles_the_bundled_model_for_adreno_with_fp16_activations(tiny_llama_path, tmp_path):
+    """``qtvm compile --target opencl -device=adreno --act fp16``: every kernel scheduled by the
+    family's rules, the device source embedded (this TVM wheel has no OpenCL runtime to load
+    it; ``benchmarks/compile_presets.py`` compiles every preset for both devices)."""
+    out = tmp_path / "m.so"
+    proc = _qtvm("compile", tiny_llama_path, "--target", "opencl", "-device=adreno", "--quant", "int4-g128",
+                 "--act", "fp16", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    data = out.read_bytes()
+    assert b"as_half2(" in data and b"__kernel" in data  # the fp16 decode, in the embedded OpenCL source
+
+
+def test_cli_names_a_bad_opencl_device(mlp_path, tmp_path):
+    proc = _qtvm("compile", mlp_path, "--target", "opencl", "-device=mail", "-o", tmp_path / "m.so")
+    assert proc.returncode == 2 and "unknown OpenCL device 'mail'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "m.so").exists()
+    proc = _qtvm("compile", mlp_path, "--target", "cuda", "-arch=sm_80", "--act", "fp16-acc16", "-o", tmp_path / "m.so")
+    assert proc.returncode == 2 and "fp16-acc16 has no kernels for target cuda" in proc.stderr
+
+
+@pytest.mark.parametrize("device", ["mali", "adreno"])
+def test_cli_cross_exports_for_aarch64(tiny_llama_path, tmp_path, device):
+    """``--host 'llvm -mtriple=aarch64-linux-gnu'``: the artefact is an AArch64 shared object
+    (readelf) holding the OpenCL kernels. Runs where ``qtvm.deploy`` (cross toolchains, --host)
+    and Debian's g++-aarch64-linux-gnu are present."""
+    import shutil
+
+    if "--host" not in _qtvm("compile", "--help").stdout:
+        pytest.skip("cross export (qtvm.deploy, --host) is on main")
+    if shutil.which("aarch64-linux-gnu-g++") is None:
+        pytest.skip("apt-get install g++-aarch64-linux-gnu")
+    out = tmp_path / f"{device}.so"
+    proc = _qtvm("compile", tiny_llama_path, "--target", "opencl", f"-device={device}", "--host",
+                 "llvm -mtriple=aarch64-linux-gnu", "--quant", "e0m4-g128" if device == "mali" else "bcq3-g128",
+                 "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    import subprocess
+
+    header = subprocess.run(["readelf", "-h", str(out)], capture_output=True, text=True, check=True).stdout
+    assert "AArch64" in header and "DYN" in header
+    assert b"__kernel" in out.read_bytes()
