@@ -33,11 +33,9 @@ def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     """The analytic schedule; the keyword knobs (defaults from ``gpu.params``) are for tuning.
     Takes the exact fp32 kernel ("qmatmul") and the fp16-activation one ("qmatmul_f16",
     whose decoded run is one CUDA TensorIntrin on CUDA targets)."""
-    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
+    desc = gemv_format(func, target)
+    if desc is None:
         return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    if int(desc["col_block"]) != 1:
-        return None  # the lane-per-chunk walk needs each column's K contiguous
     p = gpu.params(target)
     f16_cols = max(1, p.cols // 2)  # fp16 values take a 32-bit register each: 4 columns spilled on sm_80
     lanes, warps = lanes or p.lanes, warps or p.warps
@@ -48,6 +46,15 @@ def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     apply_qmatmul_gpu(sch, desc, lanes=lanes, warps=warps, cols=cols,
                       intrinsics=cuda if target.kind.name == "cuda" else None)
     return sch
+
+
+def gemv_format(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """The format description of a decode kernel this GEMV layout serves (the fp32 "qmatmul"
+    and fp16 "qmatmul_f16" computes, one column per stored block), else None."""
+    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
+        return None
+    desc = func.attrs[ops.FORMAT_ATTR]
+    return desc if int(desc["col_block"]) == 1 else None  # lanes walk each column's contiguous K run
 
 
 def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols: int, intrinsics=None,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir
 
-from qtvm import ops
 from schedules import gpu, gpu_gemv
 
 
@@ -31,13 +30,9 @@ def schedule_qmatmul_opencl(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
                             warps: int | None = None, cols: int | None = None) -> s_tir.Schedule | None:
     """The analytic schedule for the device of ``target`` (``schedules.opencl.DEVICES``);
     the keyword knobs override its launch shape (for tuning)."""
-    if target.kind.name != "opencl":
+    desc = gpu_gemv.gemv_format(func, target) if target.kind.name == "opencl" else None
+    if desc is None:
         return None
-    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
-        return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    if int(desc["col_block"]) != 1:
-        return None  # the lane-per-chunk walk needs each column's K contiguous
     from qtvm.intrin import opencl as intrinsics
     from schedules.opencl import device
 

@@ -20,10 +20,9 @@ device code uses) and the device code by ptxas; nothing here runs without a GPU.
 from __future__ import annotations
 
 import numpy as np
-from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from qtvm.intrin.runs import F16_ONE, MAGIC_1024, RUNS, run_desc, unpack_value  # noqa: F401 (re-exported)
+from qtvm.intrin.runs import F16_ONE, MAGIC_1024, RUNS, register, run_desc, unpack_value  # noqa: F401 (re-exported)
 
 LOP3_AND_OR = 0xEA  # lop3 truth table of (a & b) | c: (0xF0 & 0xCC) | 0xAA
 LOP3_OR_OR = 0xFE   # (a | b) | c
@@ -180,12 +179,4 @@ def _make(kind: str):
     return desc, impl
 
 
-def register_all() -> None:
-    for kind in RUNS:
-        try:
-            s_tir.TensorIntrin.get(intrin_name(kind))
-        except Exception:  # not registered yet
-            s_tir.TensorIntrin.register(intrin_name(kind), *_make(kind))
-
-
-register_all()
+register(intrin_name, _make, RUNS)

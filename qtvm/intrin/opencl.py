@@ -18,10 +18,10 @@ against two integer-to-float conversions. The constants are those of ``qtvm.intr
 """
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.script import tirx as T
 
-from qtvm.intrin.runs import F16_ONE, MAGIC_1024, RUNS, run_desc
+from qtvm.intrin.runs import F16_ONE, MAGIC_1024, RUNS, register, run_desc
 
 #: Run kinds with an OpenCL intrinsic (all of them).
 KINDS = tuple(RUNS)
@@ -76,12 +76,4 @@ def _make(kind: str):
     return run_desc(kind), impl
 
 
-def register_all() -> None:
-    for kind in KINDS:
-        try:
-            s_tir.TensorIntrin.get(intrin_name(kind))
-        except Exception:  # not registered yet
-            s_tir.TensorIntrin.register(intrin_name(kind), *_make(kind))
-
-
-register_all()
+register(intrin_name, _make, KINDS)

@@ -51,3 +51,14 @@ def run_desc(kind: str):
                     O[0, vj] = unpack_value(kind, lambda r: W[0, r, 0], vj)
 
     return desc
+
+
+def register(name, make, kinds) -> None:
+    """Register ``name(kind)`` -> ``make(kind)`` (desc, impl) for each kind, once per process."""
+    from tvm import s_tir
+
+    for kind in kinds:
+        try:
+            s_tir.TensorIntrin.get(name(kind))
+        except Exception:  # not registered yet
+            s_tir.TensorIntrin.register(name(kind), *make(kind))

@@ -67,7 +67,6 @@ def test_kernel_families_are_race_free_under_oclgrind():
 
 def test_a_race_is_reported():
     """The check can fail: a kernel whose work-items all write one local word unsynchronized."""
-    import tvm
     from tvm.script import tirx as T
 
     @T.prim_func(s_tir=True)

@@ -22,7 +22,7 @@ from qtvm.testing.traffic import kernel_traffic
 from schedules import facts, schedule_kernel
 
 MALI, ADRENO = parse_target("opencl -device=mali"), parse_target("opencl -device=adreno")
-K, N = 512, 128
+K, N = 256, 64
 
 
 def decode_kernels(qt, target):
