@@ -16,7 +16,7 @@
     then the group coefficients, and the lanes' sums meet through local memory.
 
 Each weight byte is loaded once: the kernel's weight traffic is the format's bits per
-weight (``tests/schedules/test_opencl_gemv.py`` counts it from the lowered kernel).
+weight (``tests/testing/test_traffic.py`` counts it from the lowered kernel).
 """
 from __future__ import annotations
 
@@ -33,13 +33,20 @@ def schedule_qmatmul_opencl(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
     desc = gpu_gemv.gemv_format(func, target) if target.kind.name == "opencl" else None
     if desc is None:
         return None
+    p = gpu.params(target)
+    sch = s_tir.Schedule(func)
+    gpu_gemv.apply_qmatmul_gpu(sch, desc, lanes=lanes or p.lanes, warps=warps or p.warps, cols=cols or p.cols,
+                               **gemv_extras(desc, target))
+    return sch
+
+
+def gemv_extras(desc, target: tvm.target.Target) -> dict:
+    """What OpenCL adds to ``gpu_gemv.apply_qmatmul_gpu``: its fp16 unpack intrinsics and
+    activation loads of the device's load width (also used by ``gpu_tune``'s design space)."""
     from qtvm.intrin import opencl as intrinsics
     from schedules.opencl import device
 
-    p = gpu.params(target)
+    row = device(target)
+    vector_bytes = row.vector_bytes if row is not None else gpu.LOAD_BYTES
     f16 = str(desc.get("activations", "fp32")) == "fp16"
-    vector_bytes = device(target).vector_bytes if device(target) is not None else gpu.LOAD_BYTES
-    sch = s_tir.Schedule(func)
-    gpu_gemv.apply_qmatmul_gpu(sch, desc, lanes=lanes or p.lanes, warps=warps or p.warps, cols=cols or p.cols,
-                               intrinsics=intrinsics, x_vector=vector_bytes // (2 if f16 else 4))
-    return sch
+    return {"intrinsics": intrinsics, "x_vector": vector_bytes // (2 if f16 else 4)}

@@ -140,3 +140,16 @@ def test_fp16_activation_error_is_measured():
     fp16_sums = rel_err(emulate_f16_gemv(x, qt, facts(MALI).gemv_options(qt.fmt, k)["chunk"]), exact)
     print(f"--act fp16 (fp32 sums): {fp32_sums:.2e}; --act fp16-acc16: {fp16_sums:.2e}")
     assert 1e-5 < fp32_sums < 1e-3 and fp32_sums < fp16_sums < 1e-2
+
+
+def test_tuning_space_keeps_the_opencl_decode():
+    """``qtvm tune``'s GPU design space schedules an OpenCL kernel as this rule does (the device's
+    lanes as the analytic knob, the as_half2 decode, vector activation loads)."""
+    from schedules.gpu_tune import GpuKnobSpace
+
+    fmt = get_format("int4-g128")
+    func = ops.qmatmul_f16_func(fmt, 1024, 128, 1, **facts(MALI).gemv_options(fmt, 1024), accumulate="float32")
+    space = GpuKnobSpace.of(func, MALI)
+    assert space.analytic["lanes"] == 16
+    source = _source(space.schedule(func).mod["main"], MALI)
+    assert "as_half2(" in source and "convert_half8(vload8(0, x_ptr" in source
