@@ -63,8 +63,9 @@ def check_rows(func, qt, rows) -> None:
 
 
 @needs_opencl
-@pytest.mark.parametrize("target,preset,k,n", [(MALI, "e0m4-g128", 300, 70), (ADRENO, "int3-g128", 300, 37)],
-                         ids=["mali-e0m4", "adreno-int3"])  # int4 and int2 GEMMs: test_oclgrind.py, test_mixed_...
+@pytest.mark.parametrize("target,preset,k,n", [(MALI, "e0m4-g128", 300, 70), (ADRENO, "int3-g128", 300, 37),
+                                               (MALI, "bcq3-g128", 300, 37)],
+                         ids=["mali-e0m4", "adreno-int3", "mali-bcq3"])  # int4, int2: test_oclgrind, mixed below
 def test_prefill_gemm_on_opencl(target, preset, k, n):
     """Prefill (M above the decode threshold): gpu_gemm's tiles in the device's local memory."""
     qt = quantized(preset, k, n)
