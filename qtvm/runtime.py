@@ -22,6 +22,7 @@ import numpy as np
 from qtvm import dims as dimexpr
 from qtvm.errors import QtvmError
 from qtvm.hostinfo import host_cpu_flags
+from qtvm.quiet import tvm_output_captured
 
 
 def _default_threads() -> None:
@@ -62,7 +63,8 @@ class Module:
         if not path.is_file():
             raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
         try:
-            lib = tvm.runtime.load_module(str(path))
+            with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
+                lib = tvm.runtime.load_module(str(path))
         except Exception:
             raise QtvmError(f"'{path}' is not a loadable qtvm artefact", "recompile it with `qtvm compile`") from None
         self._vm = VirtualMachine(lib, tvm.cpu())
@@ -70,7 +72,20 @@ class Module:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
         except Exception:
             raise QtvmError(f"'{path}' has no qtvm metadata (not built by qtvm?)", "recompile it with `qtvm compile`") from None
-        self.metadata = json.loads(raw)
+        self._init(json.loads(raw), path)
+
+    @classmethod
+    def from_vm(cls, vm, metadata: dict) -> "Module":
+        """A module over a VirtualMachine already made (the compiler's own checks)."""
+        self = cls.__new__(cls)
+        self._vm = vm
+        self._init(metadata, "<in memory>")
+        return self
+
+    def _init(self, metadata: dict, path) -> None:
+        import tvm.runtime
+
+        self.metadata = metadata
         missing = sorted(set(self.metadata.get("required_cpu_flags", [])) - host_cpu_flags())
         if missing:
             raise QtvmError(f"'{path}' was built for {self.metadata['target']} and needs CPU features "
@@ -139,6 +154,23 @@ class Module:
         result = self._main(*[self._tensor(a) for a in arrays])
         values = [result] if len(self.outputs) == 1 else list(result)
         return {spec["name"]: _to_numpy(v, spec["dtype"]) for spec, v in zip(self.outputs, values)}
+
+
+    # -- generation (models exported with past key/values) ---------------------------------
+    def session(self, batch: int = 1):
+        """A KV-cache session (``qtvm.generate``): ``feed(ids)`` appends tokens and returns
+        their logits; the caches are allocated once for the artefact's maximum length."""
+        from qtvm import generate
+
+        return generate.session(self, batch)
+
+    def generate(self, input_ids, max_new_tokens: int, attention_mask=None,
+                 eos_token_id: int | None = None) -> np.ndarray:
+        """Greedy decoding: [batch, n] prompt ids -> [batch, n + max_new_tokens] (see
+        ``qtvm.generate.generate``)."""
+        from qtvm import generate
+
+        return generate.generate(self, input_ids, max_new_tokens, attention_mask, eos_token_id)
 
 
 def _to_numpy(value, dtype: str) -> np.ndarray:
