@@ -23,7 +23,8 @@ def _cmd_compile(args) -> int:
 
     with tvm_output_captured(), stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
-                               args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step)
+                               args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step,
+                               max_length=args.max_length, max_batch=args.max_batch, kv_step=not args.no_kv_step)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--act", choices=("fp32", "int8"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), or int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error)")
+    c.add_argument("--max-length", type=int, metavar="N",
+                   help="past_key_values exports: tokens the generation cache holds (default: the model's "
+                        "position limit, else 2048); memory is planned for it once")
+    c.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="past_key_values exports: sequences generated at once (default 1)")
+    c.add_argument("--no-kv-step", action="store_true",
+                   help="past_key_values exports: no in-place KV-cache step (generation feeds presents back)")
     c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "
                                                  "than the analytic schedule use the tuned schedule")
     c.add_argument("--gptq", metavar="CKPT.safetensors",
@@ -238,12 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (created)")
     b.set_defaults(fn=_cmd_bundle_runtime)
 
+    from qtvm.bench.e2e import add_e2e_parser  # argparse only; imports lazily
     from qtvm.bench.gemv import add_bench_parser  # argparse only; imports lazily
     from qtvm.bench.prefill import add_prefill_parser  # argparse only; imports lazily
     from qtvm.report import add_report_parser  # argparse only; the report imports lazily
 
     add_report_parser(sub)  # qtvm quantize-report
-    add_prefill_parser(add_bench_parser(sub))  # qtvm bench gemv, qtvm bench prefill
+    bench = add_bench_parser(sub)  # qtvm bench gemv
+    add_prefill_parser(bench)  # qtvm bench prefill
+    add_e2e_parser(bench)  # qtvm bench e2e
     _add_verbosity(p)
     return p
 

@@ -58,7 +58,8 @@ def _metadata_function(meta: dict) -> relax.Function:
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                  activations: str = "fp32", db: str | os.PathLike | None = None,
                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
-                 calib: str | os.PathLike | None = None, max_length: int | None = None, max_batch: int = 1):
+                 calib: str | os.PathLike | None = None, max_length: int | None = None, max_batch: int = 1,
+                 kv_step: bool = True):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
 
     A past_key_values export also gets ``qtvm_kv_step`` (``relay_passes.kv_cache``): greedy
@@ -135,8 +136,10 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
             notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
                          f"constant ({', '.join(summary.float_matmuls[:4])}"
                          f"{', ...' if len(summary.float_matmuls) > 4 else ''})")
-    mod, meta["kv_step"], kv_note = _kv_step(mod, meta, max_length, max_batch)
-    notes += [kv_note] if kv_note else []
+    meta["kv_step"] = None
+    if kv_step:
+        mod, meta["kv_step"], kv_note = _kv_step(mod, meta, max_length, max_batch)
+        notes += [kv_note] if kv_note else []
     mod[METADATA_FUNC] = _metadata_function(meta)
     return mod, meta, summary, notes
 
@@ -151,7 +154,7 @@ def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
     if max_length is None:
         max_length = min([DEFAULT_MAX_LENGTH, *meta["dim_limits"].values()])
     if max_length < 1 or max_batch < 1:
-        raise QtvmError(f"--max-length {max_length} / --max-batch {max_batch}: both must be >= 1")
+        raise QtvmError(f"--max-length {max_length} and --max-batch {max_batch} must both be >= 1")
     mod, info, note = add_kv_step(mod, max_length, max_batch)
     if info is not None:
         names = [i["name"] for i in meta["inputs"]]
@@ -160,15 +163,21 @@ def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
     return mod, info, note
 
 
-def _check_kv_step(ex, meta: dict) -> str | None:
-    """Run the compiled step against main here (see qtvm.generate.check_step)."""
-    from tvm import relax
-
+def _check_kv_step(path, meta: dict) -> str | None:
+    """Run the exported step against main here (see qtvm.generate.check_step)."""
     from qtvm import generate
     from qtvm.runtime import Module
 
     tol = 3e-2 if meta["activations"] == "int8" else 1e-3  # int8 rounding may flip on a 1e-7 difference
-    return generate.check_step(Module.from_vm(relax.VirtualMachine(ex, tvm.cpu()), meta), tol=tol)
+    return generate.check_step(Module(path), tol=tol)
+
+
+def _export(ex, path, toolchain) -> None:
+    from qtvm.deploy.toolchain import export_library
+    from qtvm.quiet import tvm_output_captured
+
+    with tvm_output_captured():  # TVM logs a warning per planned memory scope while saving
+        export_library(ex, path, toolchain)
 
 
 def _layer_table(layers) -> list[dict]:
@@ -202,7 +211,8 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                   gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
                   calib: str | os.PathLike | None = None, *,
                   host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
-                  progress=None, max_length: int | None = None, max_batch: int = 1) -> CompileResult:
+                  progress=None, max_length: int | None = None, max_batch: int = 1,
+                  kv_step: bool = True) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
 
     ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
@@ -210,7 +220,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     ``host`` is the CPU part of a device target (``--host``); an artefact for another
     machine (``-mtriple``) is linked by its cross toolchain (``qtvm.deploy.toolchain``,
     resolved before any work; ``cross_cc`` names one) and checked with readelf."""
-    from qtvm.deploy.toolchain import export_library, toolchain_for, with_default_host
+    from qtvm.deploy.toolchain import toolchain_for, with_default_host
 
     start = time.perf_counter()
     out = check_output_path(out)
@@ -220,30 +230,28 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     step = progress or (lambda stage: None)
     step("import + quantize")
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib,
-                                             max_length, max_batch)
+                                             max_length, max_batch, kv_step)
     notes = ([host_note] if host_note else []) + notes
     step("schedule + build")
     ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
-    if meta.get("kv_step"):
-        problem = _check_kv_step(ex, meta) if toolchain is None and _runs_here(target) else "skip"
-        if problem == "skip":
-            notes.append("the KV-cache step was not run against main here (another machine's target)")
-        elif problem:  # the rewrite is not right for this model: keep main only
-            from relay_passes.kv_cache import STEP_FUNC
-
-            notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
-            meta["kv_step"] = None
-            del mod[STEP_FUNC]
-            mod[METADATA_FUNC] = _metadata_function(meta)
-            ex = tvm.compile(schedule_generic_ops(mod, target), target=target)
     step("export")
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:
-        from qtvm.quiet import tvm_output_captured
+        _export(ex, tmp, toolchain)
+        if meta.get("kv_step"):
+            problem = _check_kv_step(tmp, meta) if toolchain is None and _runs_here(target) else "skip"
+            if problem == "skip":
+                notes.append("the KV-cache step was not run against main here (another machine's target)")
+            elif problem:  # the rewrite is not right for this model: ship main only
+                from relay_passes.kv_cache import STEP_FUNC
 
-        with tvm_output_captured():  # TVM logs a warning per planned memory scope while saving
-            export_library(ex, tmp, toolchain)
+                notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
+                meta["kv_step"] = None
+                del mod[STEP_FUNC]
+                mod[METADATA_FUNC] = _metadata_function(meta)
+                Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping
+                _export(tvm.compile(schedule_generic_ops(mod, target), target=target), tmp, toolchain)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

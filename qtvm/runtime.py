@@ -72,20 +72,7 @@ class Module:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
         except Exception:
             raise QtvmError(f"'{path}' has no qtvm metadata (not built by qtvm?)", "recompile it with `qtvm compile`") from None
-        self._init(json.loads(raw), path)
-
-    @classmethod
-    def from_vm(cls, vm, metadata: dict) -> "Module":
-        """A module over a VirtualMachine already made (the compiler's own checks)."""
-        self = cls.__new__(cls)
-        self._vm = vm
-        self._init(metadata, "<in memory>")
-        return self
-
-    def _init(self, metadata: dict, path) -> None:
-        import tvm.runtime
-
-        self.metadata = metadata
+        self.metadata = json.loads(raw)
         missing = sorted(set(self.metadata.get("required_cpu_flags", [])) - host_cpu_flags())
         if missing:
             raise QtvmError(f"'{path}' was built for {self.metadata['target']} and needs CPU features "

@@ -299,10 +299,31 @@ class _Builder:
             else:
                 self.relax_map[p] = params[-1]
         past_param = relax.Var("past_length", relax.ShapeType([self.new_past]))
-        output_var = main.body.body
         self.bb = bb = relax.BlockBuilder(self.mod)
-        writes = {}
-        with bb.function(STEP_FUNC, params=[*params, past_param], pure=True):
+        try:
+            self._emit(bb, [*params, past_param], caches, appends, aliases, cache_params)
+        except BaseException:
+            bb._end_block()  # the block the failed scope left open (else TVM warns on stderr)
+            raise
+        mod = bb.get()
+        func = relax.analysis.remove_all_unused(mod[STEP_FUNC])
+        self._check(func)
+        batch = [d for d in _shape(params[main.params.index(caches[0])].ty)[:1] if isinstance(d, tirx.Var)]
+        bounds = {v.name: self.max_length for _, v in self.tir_map if isinstance(v, tirx.Var)}
+        bounds.update({LENGTH: capacity(self.max_length), PAST: self.max_length})
+        if batch:
+            bounds[batch[0].name] = self.max_batch
+        mod[STEP_FUNC] = func.with_attrs({"global_symbol": STEP_FUNC, "num_input": len(params) + 1,
+                                          "tir_var_upper_bound": bounds, "tir_non_negative_var": [PAST]})
+        index = {p.name: i for i, p in enumerate(main.params)}  # the metadata names inputs as ONNX does
+        info = {"function": STEP_FUNC, "caches": [index[c.name] for c in caches], "mask": index[mask.name],
+                "ids": index[ids.name], "axis": axis, "length": LENGTH, "pad": PAD, "max_length": self.max_length,
+                "max_batch": self.max_batch, "batch": batch[0].name if batch else None, "seq": self.seq.name}
+        return mod, info
+
+    def _emit(self, bb, params, caches, appends, aliases, cache_params):
+        main, output_var, writes, out = self.main, self.main.body.body, {}, None
+        with bb.function(STEP_FUNC, params=params, pure=True):
             with bb.dataflow():
                 for block in main.body.blocks:
                     for b in block.bindings:
@@ -322,22 +343,6 @@ class _Builder:
                         else:
                             self.relax_map[b.var] = bb.emit(self.mutate(b.value))
             bb.emit_func_output(out)
-        mod = bb.get()
-        func = relax.analysis.remove_all_unused(mod[STEP_FUNC])
-        self._check(func)
-        batch = [d for d in _shape(params[main.params.index(caches[0])].ty)[:1] if isinstance(d, tirx.Var)]
-        bounds = {v.name: self.max_length for _, v in self.tir_map if isinstance(v, tirx.Var)}
-        bounds.update({LENGTH: capacity(self.max_length), PAST: self.max_length})
-        if batch:
-            bounds[batch[0].name] = self.max_batch
-        mod[STEP_FUNC] = func.with_attrs({"global_symbol": STEP_FUNC, "num_input": len(params) + 1,
-                                          "tir_var_upper_bound": bounds, "tir_non_negative_var": [PAST]})
-        index = {p.name: i for i, p in enumerate(main.params)}  # the metadata names inputs as ONNX does
-        info = {"function": STEP_FUNC, "caches": [index[c.name] for c in caches], "mask": index[mask.name],
-                "ids": index[ids.name], "axis": axis,
-                "length": LENGTH, "pad": PAD, "max_length": self.max_length, "max_batch": self.max_batch,
-                "batch": batch[0].name if batch else None, "seq": self.seq.name}
-        return mod, info
 
     def _write(self, bb, cache, new, writes):
         shape = _shape(cache.ty)
