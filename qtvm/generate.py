@@ -19,6 +19,18 @@ import numpy as np
 from qtvm.errors import QtvmError
 
 
+def _aligned(shape, dtype):
+    """(numpy array, TVM tensor) on the same 64-byte aligned memory."""
+    import tvm_ffi
+
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    a = raw[off:off + n].view(dtype).reshape(shape)
+    return a, tvm_ffi.from_dlpack(a)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -45,7 +57,6 @@ class KVSession:
         self._ids_name = info["ids"]
         self._step = module._vm[info["function"]]
         self._shape = tvm_ffi.Shape
-        self._tensor = tvm.runtime.tensor
         # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
         self._rows = {}
         self._buffers, self._flat = {}, {}
@@ -64,6 +75,7 @@ class KVSession:
         self.length = 0
         self._layout = 0  # the L the buffers are laid out for (0: nothing yet)
         self._views: dict = {}
+        self._ids: dict = {}  # n -> (staging array [batch, n], its tensor): no allocation per token
 
     # -- cache layout ----------------------------------------------------------------------
     def _relayout(self, new: int) -> None:
@@ -118,12 +130,15 @@ class KVSession:
             self._relayout(layout)
         m = self.mask()
         m[:, self.length:total] = 1 if attention_mask is None else np.asarray(attention_mask).reshape(self.batch, n)
-        args = []
-        for name in self._order:
-            args.append(self._tensor(ids) if name == self._ids_name else self._views[name])
+        staged = self._ids.get(n)
+        if staged is None:
+            staged = self._ids[n] = _aligned((self.batch, n), np.int64)
+        staged[0][...] = ids
+        views = self._views
+        args = [staged[1] if name == self._ids_name else views[name] for name in self._order]
         logits = self._step(*args, self._shape((self.length,)))
         self.length = total
-        return logits.numpy()
+        return np.from_dlpack(logits)  # the VM's own fresh output: a view, no copy
 
 
 class ConcatSession:
