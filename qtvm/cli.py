@@ -57,6 +57,43 @@ def _parse_feed(text: str):
         raise QtvmError(f"input file '{path}' is not a .npy array", "save it with numpy.save") from None
 
 
+def _cmd_generate(args) -> int:
+    import time
+
+    import numpy as np
+
+    from qtvm.deploy.elf import refuse_foreign
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise QtvmError("give the prompt token ids with --prompt 1,2,3 or --prompt-file ids.npy (one of them)")
+    if args.prompt is not None:
+        try:
+            ids = np.array([[int(t) for t in args.prompt.split(",") if t.strip()]], np.int64)
+        except ValueError:
+            raise QtvmError(f"--prompt '{args.prompt}' is not comma-separated token ids", "e.g. --prompt 1,2,3") from None
+    else:
+        _, ids = _parse_feed(f"prompt={args.prompt_file}")
+        ids = np.asarray(ids, np.int64).reshape(1, -1) if np.ndim(ids) < 2 else np.asarray(ids, np.int64)
+    if ids.size == 0:
+        raise QtvmError("the prompt is empty")
+    refuse_foreign(args.artefact)
+    from qtvm import runtime
+
+    module = runtime.load(args.artefact)
+    start = time.perf_counter()
+    tokens = module.generate(ids, args.max_new_tokens, eos_token_id=args.eos)
+    seconds = time.perf_counter() - start
+    for row in tokens:
+        print(" ".join(str(int(t)) for t in row[ids.shape[1]:]))
+    if not getattr(args, "quiet", False):
+        from qtvm.generate import ConcatSession, KVSession
+
+        mode = (KVSession if module.metadata.get("kv_step") else ConcatSession).mode
+        print(f"{args.max_new_tokens} tokens after {ids.shape[1]} prompt tokens in {seconds * 1e3:.1f} ms "
+              f"({mode})", file=sys.stderr)
+    return 0
+
+
 def _cmd_run(args) -> int:
     import numpy as np
 
@@ -190,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
     r.add_argument("--save", metavar="OUT.npz", help="save outputs")
     r.set_defaults(fn=_cmd_run)
+
+    g = sub.add_parser("generate", help="greedy generation with an artefact compiled from a past_key_values export")
+    g.add_argument("artefact")
+    g.add_argument("--prompt", metavar="IDS", help="prompt token ids, comma-separated")
+    g.add_argument("--prompt-file", metavar="IDS.npy", help="prompt token ids, [n] or [batch, n] int64")
+    g.add_argument("-n", "--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--eos", type=int, help="end-of-sequence token id (rows stop at it)")
+    g.set_defaults(fn=_cmd_generate)
 
     f = sub.add_parser("formats", help="list weight format presets")
     f.set_defaults(fn=_cmd_formats)

@@ -111,3 +111,30 @@ def test_session_errors_and_fallback(hf_compiled, tiny_llama_int4):
     plain = runtime.load(tiny_llama_int4[0])
     with pytest.raises(QtvmError, match="not a KV-cache export"):
         plain.generate(prompt, 3)
+
+
+def test_cli_generate(hf_compiled, tmp_path):
+    """qtvm generate prints the new tokens (the same as Module.generate); past the maximum
+    length it is one line and exit 2."""
+    import subprocess
+    import sys
+
+    from qtvm import runtime
+
+    art = hf_compiled("llama", "legacy", "none", kv=True).path
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "qtvm.cli", "generate", str(art), *args], capture_output=True,
+                              text=True, timeout=300)
+
+    proc = cli("--prompt", "3,141,59", "-n", "12")
+    assert proc.returncode == 0, proc.stderr
+    want = runtime.load(art).generate(np.array([[3, 141, 59]], np.int64), 12)[0, 3:]
+    assert proc.stdout.split() == [str(t) for t in want]
+    assert "12 tokens after 3 prompt tokens" in proc.stderr and "in-place cache" in proc.stderr
+    np.save(tmp_path / "ids.npy", np.arange(2040, dtype=np.int64) % 256)
+    proc = cli("--prompt-file", str(tmp_path / "ids.npy"), "-n", "20")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "past the maximum length: 2040 prompt tokens + 20 new need a cache of 2059 > 2048" in proc.stderr
+    proc = cli("--prompt", "1,x")
+    assert proc.returncode == 2 and "is not comma-separated token ids" in proc.stderr
