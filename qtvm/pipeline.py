@@ -136,10 +136,11 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
             notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
                          f"constant ({', '.join(summary.float_matmuls[:4])}"
                          f"{', ...' if len(summary.float_matmuls) > 4 else ''})")
-    meta["kv_step"] = None
-    if kv_step:
-        mod, meta["kv_step"], kv_note = _kv_step(mod, meta, max_length, max_batch)
+    if kv_step:  # metadata "kv_step" only where the artefact has the step
+        mod, info, kv_note = _kv_step(mod, meta, max_length, max_batch)
         notes += [kv_note] if kv_note else []
+        if info is not None:
+            meta["kv_step"] = info
     mod[METADATA_FUNC] = _metadata_function(meta)
     return mod, meta, summary, notes
 
@@ -247,7 +248,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                 from relay_passes.kv_cache import STEP_FUNC
 
                 notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
-                meta["kv_step"] = None
+                del meta["kv_step"]
                 del mod[STEP_FUNC]
                 mod[METADATA_FUNC] = _metadata_function(meta)
                 Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping

@@ -155,7 +155,7 @@ def test_declines_a_past_used_elsewhere(tmp_path, capfd):
     path = tmp_path / "extra.onnx"
     onnx.save(_mini_kv_model(extra_use=True), str(path))
     mod, meta, _, notes = build_module(path, "host", "none")
-    assert meta["kv_step"] is None and STEP_FUNC not in [gv.name_hint for gv in mod.functions]
+    assert "kv_step" not in meta and STEP_FUNC not in [gv.name_hint for gv in mod.functions]
     assert any("no in-place KV-cache step ('past' is used other than by the concat" in n for n in notes), notes
     gc.collect()  # the builder of the abandoned step is gone: TVM would warn of an unfinished block
     assert capfd.readouterr().err == ""
@@ -163,7 +163,7 @@ def test_declines_a_past_used_elsewhere(tmp_path, capfd):
 
 def test_no_step_without_a_cache(tiny_llama_int4):
     _, result = tiny_llama_int4
-    assert result.metadata["kv_step"] is None
+    assert "kv_step" not in result.metadata
     assert not [n for n in result.notes if "KV" in n]
 
 
@@ -178,5 +178,5 @@ def test_step_that_disagrees_with_main_is_dropped(tmp_path, monkeypatch):
     assert good.metadata["kv_step"]["max_length"] == 70
     monkeypatch.setattr(generate, "check_step", lambda module, tol: "logits differ (simulated)")
     bad = compile_model(path, tmp_path / "bad.so", "host", "none")
-    assert bad.metadata["kv_step"] is None
+    assert "kv_step" not in bad.metadata
     assert any("no in-place KV-cache step (logits differ (simulated))" in n for n in bad.notes), bad.notes
