@@ -205,6 +205,8 @@ class _TensorIO:
     def tensor(self, i: int, a: np.ndarray):
         if i == 0:
             self._in_ranges = []
+        if a.dtype.kind not in "biuf":  # bfloat16 and such (ml_dtypes): numpy has no DLPack for them
+            return _empty(a)
         if a.nbytes >= self.ZERO_COPY_BYTES and a.flags.c_contiguous:
             ptr = a.ctypes.data
             if ptr % self.ALIGN == 0:
@@ -233,7 +235,11 @@ class _TensorIO:
             if not hasattr(v, "numpy"):
                 out[name] = _to_numpy(v, dtype)
                 continue
-            a = np.from_dlpack(v)
+            try:
+                a = np.from_dlpack(v)
+            except (BufferError, TypeError, RuntimeError, ValueError):  # a dtype numpy cannot take over
+                out[name] = v.numpy()
+                continue
             lo = v.data_ptr()
             hi = lo + a.nbytes
             if a.nbytes and any(lo < h and l < hi for l, h in taken):
@@ -245,6 +251,7 @@ class _TensorIO:
 
 
 def _empty(a: np.ndarray):
+    """TVM's own copy (empty arrays, dtypes DLPack cannot carry from numpy)."""
     import tvm.runtime
 
     return tvm.runtime.tensor(a)
