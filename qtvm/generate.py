@@ -5,9 +5,10 @@ An artefact compiled from a past_key_values export carries ``qtvm_kv_step``
 the artefact's maximum length, and the step writes each token's keys and values into
 them in place. The attention sees the cache with its length rounded up to a multiple of
 64 (``kv_length``) and the mask zero on the padding, so its shapes change once every 64
-tokens. The buffers hold ``[batch, heads, kv_length, dim]`` contiguously: when the
-rounded length grows (every 64 tokens) each (batch, head) row is moved once, in place,
-to its new stride; between those moves nothing of the cache is copied.
+tokens. The buffers hold ``[batch, heads, kv_length, dim]`` contiguously (keys that feed
+the attention's ``q @ k^T`` as ``[batch, heads, dim, kv_length]``): when the rounded length
+grows (every 64 tokens) each row is moved once, in place, to its new stride; between those
+moves nothing of the cache is copied.
 
 An artefact without the step (a model the rewrite declined) runs ``main`` with the
 presents fed back as it was exported: a copy of the cache per token, said by ``mode``.
@@ -29,6 +30,14 @@ def _aligned(shape, dtype):
     off = -raw.ctypes.data % 64
     a = raw[off:off + n].view(dtype).reshape(shape)
     return a, tvm_ffi.from_dlpack(a)
+
+
+def _move_rows(flat: np.ndarray, rows: int, old: int, new: int) -> None:
+    """``rows`` rows of ``old`` values at the front of ``flat`` re-laid at stride ``new``."""
+    kept = flat[:rows * old].reshape(rows, old).copy()
+    dst = flat[:rows * new].reshape(rows, new)
+    dst[:, :old] = kept
+    dst[:, old:] = 0
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -60,10 +69,11 @@ class KVSession:
         # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
         self._rows = {}
         self._buffers, self._flat = {}, {}
-        for name in info["caches"]:
+        layouts = info.get("layouts") or ["bhld"] * len(info["caches"])
+        for name, layout in zip(info["caches"], layouts):
             spec = specs[name]
             _, heads, _, dim = spec["shape"]
-            self._rows[name] = (int(heads), int(dim), spec["dtype"])
+            self._rows[name] = (int(heads), int(dim), spec["dtype"], layout)
             buf = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),), spec["dtype"])
             self._buffers[name] = buf
             self._flat[name] = np.from_dlpack(buf)
@@ -79,26 +89,23 @@ class KVSession:
 
     # -- cache layout ----------------------------------------------------------------------
     def _relayout(self, new: int) -> None:
-        """Move every row from stride ``self._layout`` to ``new`` (> it), back to front so
-        no row is overwritten before it moves; the new tail of each row is zeroed."""
+        """Move every row from length ``self._layout`` to ``new`` (> it) in its buffer (rows:
+        (batch, head) of [length, dim] blocks, or (batch, head, dim) of transposed keys);
+        the padding after each row is zeroed (masked keys must still be finite)."""
         old = self._layout
         for name, flat in self._flat.items():
-            heads, dim, _ = self._rows[name]
-            o, n = old * dim, new * dim
-            for r in range(self.batch * heads - 1, -1, -1):
-                if old:
-                    flat[r * n:r * n + o] = flat[r * o:r * o + o]
-                flat[r * n + o:r * n + n] = 0
-        m = self._mask_flat
-        for r in range(self.batch - 1, -1, -1):
-            if old:
-                m[r * new:r * new + old] = m[r * old:r * old + old]
-            m[r * new + old:r * new + new] = 0
+            heads, dim, _, layout = self._rows[name]
+            rows, width = (self.batch * heads, dim) if layout == "bhld" else (self.batch * heads * dim, 1)
+            _move_rows(flat, rows, old * width, new * width)
+        _move_rows(self._mask_flat, self.batch, old, new)
         self._layout = new
-        self._views = {name: buf._create_view((self.batch, self._rows[name][0], new, self._rows[name][1]),
-                                              self._rows[name][2])
+        self._views = {name: buf._create_view(self._shape_of(name, new), self._rows[name][2])
                        for name, buf in self._buffers.items()}
         self._views[self.info["mask"]] = self._mask_buf._create_view((self.batch, new), self._mask_dtype)
+
+    def _shape_of(self, name: str, length: int) -> tuple:
+        heads, dim, _, layout = self._rows[name]
+        return (self.batch, heads, length, dim) if layout == "bhld" else (self.batch, heads, dim, length)
 
     def mask(self) -> np.ndarray:
         """The mask as the step sees it, [batch, kv_length] (a view)."""
@@ -106,9 +113,11 @@ class KVSession:
 
     def cache(self, name: str) -> np.ndarray:
         """Cache ``name``'s first ``length`` positions, [batch, heads, length, dim] (a copy)."""
-        heads, dim, _ = self._rows[name]
-        full = self._flat[name][:self.batch * heads * self._layout * dim]
-        return full.reshape(self.batch, heads, self._layout, dim)[:, :, :self.length].copy()
+        heads, dim, _, layout = self._rows[name]
+        full = self._flat[name][:self.batch * heads * self._layout * dim].reshape(self._shape_of(name, self._layout))
+        if layout == "bhdl":  # keys kept transposed for the attention
+            return full[..., :self.length].transpose(0, 1, 3, 2).copy()
+        return full[:, :, :self.length].copy()
 
     # -- steps ---------------------------------------------------------------------------
     def feed(self, ids, attention_mask=None) -> np.ndarray:

@@ -32,7 +32,9 @@ is written. A model the rewrite does not fit keeps ``main`` only, with a note sa
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
@@ -46,6 +48,9 @@ PAD = 64
 
 _CONCAT = tvm.ir.Op.get("relax.concat")
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_OP = {name: tvm.ir.Op.get(f"relax.{name}")
+       for name in ("expand_dims", "broadcast_to", "reshape", "permute_dims", "multiply", "matmul")}
+BHLD, BHDL = "bhld", "bhdl"  # cache layouts: [batch, heads, length, dim], and keys transposed
 _LEAVES = (relax.GlobalVar, tvm.ir.Op, relax.ExternFunc, tvm.ir.expr.GenericConst)
 
 
@@ -89,6 +94,23 @@ def write_func(heads, dim, dtype: str) -> tirx.PrimFunc:
     return write
 
 
+def write_t_func(heads, dim, dtype: str) -> tirx.PrimFunc:
+    """``cache_t[b, h, d, past + s] = new[b, h, s, d]`` in place: keys kept transposed."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def write_t(var_cache: T.handle, var_new: T.handle, past: T.int64):
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})
+        b, n, s = T.int64(), T.int64(), T.int64()
+        cache = T.match_buffer(var_cache, (b, heads, dim, n), dtype)
+        new = T.match_buffer(var_new, (b, heads, s, dim), dtype)
+        for i0, i1, i2, i3 in T.grid(b, heads, s, dim):
+            with T.sblock("write"):
+                v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                cache[v0, v1, v3, past + v2] = new[v0, v1, v2, v3]
+
+    return write_t
+
+
 def _shape(ty):
     if isinstance(ty, relax.TensorType) and ty.shape is not None and hasattr(ty.shape, "values"):
         return list(ty.shape.values)
@@ -97,6 +119,102 @@ def _shape(ty):
 
 def _symbols(e) -> list:
     return list(tirx.analysis.undefined_vars(e)) if tvm.ir.is_prim_expr(e) else []
+
+
+@dataclass
+class _Attention:
+    """How one cache feeds the attention, as transformers exports it (``repeat_kv`` then
+    ``q @ k^T`` or ``p @ v``): the bindings from the appended cache to the matmul operand
+    (all replaced), the matmul, its other operand, the key scale, heads per KV head."""
+
+    kind: str  # "k" (scores = q @ k^T) or "v" (out = p @ v)
+    chain: list  # binding vars of main made redundant
+    matmul: relax.Var
+    other: relax.Expr  # q or p
+    rep: int
+    scale: relax.Expr | None = None
+
+
+def _attention(main, appends, analyzer) -> dict:
+    """{append var: _Attention} for the appended caches whose uses are exactly the exported
+    attention: [expand_dims(2), broadcast_to, reshape] (grouped-query heads), then for keys a
+    transpose of the last two axes (or dynamo's reshape, permute, reshape) and an optional
+    scalar multiply, and the matmul taking it as its second operand. The rewrite then
+    multiplies q (or p) grouped by KV head, [b, kv_head, rep * seq, .], by the cache itself
+    (keys kept transposed), with no copy of the cache. Others are left as they are."""
+    bindings = {b.var: b for block in main.body.blocks for b in block.bindings}
+    output = main.body.body
+    users: dict = {}
+    for var, b in bindings.items():
+        if var.same_as(output):
+            continue
+        for used in relax.analysis.free_vars(b.value):
+            users.setdefault(used, []).append(b)
+
+    def only_user(var, op):
+        got = users.get(var, [])
+        if len(got) == 1 and isinstance(got[0].value, relax.Call) and got[0].value.op.same_as(op) \
+                and got[0].value.args[0].same_as(var):
+            return got[0]
+        return None
+
+    def dims(var):
+        return _shape(var.ty) or []
+
+    def same(a, b):
+        return len(a) == len(b) and all(analyzer.can_prove_equal(x, y) for x, y in zip(a, b))
+
+    plans = {}
+    for append in appends:
+        batch, kv_heads, length, dim = dims(append)
+        chain, cur, rep = [], append, 1
+        e = only_user(cur, _OP["expand_dims"])
+        if e is not None:
+            b = only_user(e.var, _OP["broadcast_to"])
+            r = only_user(b.var, _OP["reshape"]) if b is not None else None
+            bdims = dims(b.var) if b is not None else []
+            if r is None or len(bdims) != 5 or not isinstance(bdims[2], tirx.IntImm) or \
+                    not same(dims(e.var), [batch, kv_heads, 1, length, dim]) or \
+                    not same(bdims, [batch, kv_heads, bdims[2], length, dim]) or \
+                    not same(dims(r.var), [batch, kv_heads * bdims[2], length, dim]):
+                continue
+            rep, chain, cur = int(bdims[2]), [e.var, b.var, r.var], r.var
+        heads = kv_heads * rep
+        mm = [u for u in users.get(cur, []) if isinstance(u.value, relax.Call) and u.value.op.same_as(_OP["matmul"])]
+        if len(users.get(cur, [])) == 1 and mm and mm[0].value.args[1].same_as(cur):  # p @ v
+            p = mm[0].value.args[0]
+            if same(dims(mm[0].var), [batch, heads, dims(mm[0].var)[2], dim]) and \
+                    same(dims(p)[-1:], [length]):
+                plans[append] = _Attention("v", chain, mm[0].var, p, rep)
+            continue
+        t = only_user(cur, _OP["permute_dims"])
+        if t is not None and [int(a) for a in t.value.attrs.axes] == [0, 1, 3, 2]:
+            kchain = [t.var]
+        else:
+            r1 = only_user(cur, _OP["reshape"])
+            t = only_user(r1.var, _OP["permute_dims"]) if r1 is not None else None
+            r2 = only_user(t.var, _OP["reshape"]) if t is not None else None
+            if r2 is None or [int(a) for a in t.value.attrs.axes] != [0, 2, 1] or \
+                    not same(dims(r1.var), [batch * heads, length, dim]):
+                continue
+            kchain = [r1.var, t.var, r2.var]
+        if not same(dims(kchain[-1]), [batch, heads, dim, length]):
+            continue
+        cur, scale = kchain[-1], None
+        m = only_user(cur, _OP["multiply"])
+        if m is not None:
+            c = m.value.args[1]
+            if not isinstance(c, tvm.ir.expr.GenericConst) or int(np.prod(c.value.shape)) != 1 or \
+                    not same(dims(m.var), [batch, heads, dim, length]):
+                continue
+            kchain, cur, scale = kchain + [m.var], m.var, c
+        mm = [u for u in users.get(cur, []) if isinstance(u.value, relax.Call) and u.value.op.same_as(_OP["matmul"])]
+        if len(users.get(cur, [])) != 1 or not mm or not mm[0].value.args[1].same_as(cur):
+            continue
+        q = mm[0].value.args[0]
+        if same(dims(q)[:2] + dims(q)[3:], [batch, heads, dim]):
+            plans[append] = _Attention("k", chain + kchain, mm[0].var, q, rep, scale)
+    return plans
 
 
 class _Builder:
@@ -286,11 +404,17 @@ class _Builder:
         for name, v in self.symbols.items():
             if not v.same_as(self.past) and not any(v.same_as(old) for old, _ in self.tir_map):
                 self.tir_map.append((v, tirx.Var(name, "int64")))
+        self.plans = _attention(main, appends, self.analyzer) if axis == 2 else {}
+        transposed = {appends[a][0] for a, plan in self.plans.items() if plan.kind == "k"}
+        self.matmuls = {plan.matmul: (a, plan) for a, plan in self.plans.items()}
+        self.skipped = {v for plan in self.plans.values() for v in plan.chain}
         params, cache_params = [], {}
         for p in main.params:
             shape = _shape(p.ty)
             if p in caches:
                 dims = [self.length if i == axis else self.sub(d) for i, d in enumerate(shape)]
+                if p in transposed:
+                    dims = [dims[0], dims[1], dims[3], dims[2]]
             else:
                 dims = [self.sub(d) for d in shape] if shape is not None else None
             params.append(relax.Var(p.name, relax.TensorType(dims, p.ty.dtype) if dims is not None else p.ty))
@@ -317,6 +441,8 @@ class _Builder:
                                           "tir_var_upper_bound": bounds, "tir_non_negative_var": [PAST]})
         index = {p.name: i for i, p in enumerate(main.params)}  # the metadata names inputs as ONNX does
         info = {"function": STEP_FUNC, "caches": [index[c.name] for c in caches], "mask": index[mask.name],
+                "layouts": [BHDL if c in transposed else BHLD for c in caches],
+                "fused_attention": sum(1 for plan in self.plans.values()),
                 "ids": index[ids.name], "axis": axis, "length": LENGTH, "pad": PAD, "max_length": self.max_length,
                 "max_batch": self.max_batch, "batch": batch[0].name if batch else None, "seq": self.seq.name}
         return mod, info
@@ -327,11 +453,15 @@ class _Builder:
             with bb.dataflow():
                 for block in main.body.blocks:
                     for b in block.bindings:
-                        if b.var in aliases:
+                        if b.var in aliases or b.var in self.skipped:
                             continue
                         if b.var in appends:
                             cache, new = appends[b.var]
-                            self.relax_map[b.var] = self._write(bb, cache_params[cache], self.mutate(new), writes)
+                            plan = self.plans.get(b.var)
+                            self.relax_map[b.var] = self._write(bb, cache_params[cache], self.mutate(new), writes,
+                                                                plan is not None and plan.kind == "k")
+                        elif b.var in self.matmuls:
+                            self.relax_map[b.var] = self._grouped_matmul(bb, b.var, *self.matmuls[b.var])
                         elif b.var.same_as(output_var):
                             kept = [f for f in b.value.fields if f not in appends]
                             if not isinstance(b.value, relax.Tuple) or len(kept) != len(b.value.fields) - len(caches):
@@ -344,12 +474,28 @@ class _Builder:
                             self.relax_map[b.var] = bb.emit(self.mutate(b.value))
             bb.emit_func_output(out)
 
-    def _write(self, bb, cache, new, writes):
+    def _write(self, bb, cache, new, writes, transposed: bool = False):
         shape = _shape(cache.ty)
-        key = (int(shape[1]), int(shape[3]), cache.ty.dtype)
+        heads, dim = (int(shape[1]), int(shape[2])) if transposed else (int(shape[1]), int(shape[3]))
+        key = (heads, dim, cache.ty.dtype, transposed)
         if key not in writes:
-            writes[key] = bb.add_func(write_func(*key), "qtvm_kv_write")
+            make = write_t_func if transposed else write_func
+            writes[key] = bb.add_func(make(*key[:3]), "qtvm_kv_write")
         return bb.emit(relax.call_tir_inplace(writes[key], relax.Tuple([cache, new, self.new_past]), 0, cache.ty))
+
+    def _grouped_matmul(self, bb, var, append, plan):
+        """The attention matmul on the cache itself: the other operand ([b, heads, seq, x])
+        viewed as [b, kv_heads, rep * seq, x] (head h = kv_head * rep + r), times the cache
+        ([b, kv_heads, dim, L] keys, [b, kv_heads, L, dim] values), viewed back."""
+        cache = self.relax_map[append]
+        other = self.mutate(plan.other)
+        if plan.scale is not None:  # k * s moves to q: the scores differ by float rounding only
+            other = bb.emit(relax.op.multiply(other, plan.scale))
+        batch, heads, seq, last = _shape(other.ty)
+        kv_heads = _shape(cache.ty)[1]
+        grouped = bb.emit(relax.op.reshape(other, relax.ShapeExpr([batch, kv_heads, seq * plan.rep, last])))
+        product = bb.emit(relax.op.matmul(grouped, cache))
+        return bb.emit(relax.op.reshape(product, relax.ShapeExpr([batch, heads, seq, _shape(product.ty)[-1]])))
 
     def _check(self, func):
         """No shape may still depend on the past length alone (it means something of the

@@ -34,6 +34,7 @@ def run_step(module, x: dict, past: int, rng, garbage: bool = True):
     total = past + seq
     length = _round(total)
     args, caches, before = [], {}, {}
+    layouts = dict(zip(info["caches"], info["layouts"]))
     for spec in module.inputs:
         name = spec["name"]
         if name == info["ids"]:
@@ -48,17 +49,20 @@ def run_step(module, x: dict, past: int, rng, garbage: bool = True):
                 np.zeros((b, heads, length, dim), np.float32)
             buf[:, :, :past] = x[name]
             before[name] = buf.copy()
-            caches[name] = tvm.runtime.tensor(buf)
+            # keys the attention reads as k^T are kept transposed: [b, h, dim, length]
+            caches[name] = tvm.runtime.tensor(buf.transpose(0, 1, 3, 2).copy() if layouts[name] == "bhdl" else buf)
             args.append(caches[name])
     logits = module._vm[STEP_FUNC](*args, tvm_ffi.Shape((past,)))
-    return logits.numpy(), {k: v.numpy() for k, v in caches.items()}, before
+    back = {k: v.numpy().transpose(0, 1, 3, 2) if layouts[k] == "bhdl" else v.numpy() for k, v in caches.items()}
+    return logits.numpy(), back, before
 
 
 @pytest.mark.parametrize("exporter", ["legacy"])
 def test_step_structure(hf_model, exporter):
-    """Caches become [batch, heads, kv_length, dim] buffers written in place (one
-    call_tir_inplace per cache, no concat of them), presents are not outputs, and the
-    symbols carry upper bounds for memory planning."""
+    """Caches become buffers written in place (one call_tir_inplace per cache, no concat of
+    them): values [batch, heads, kv_length, dim], keys transposed [batch, heads, dim,
+    kv_length], both multiplied in the attention as they are (no repeat of the KV heads, no
+    transpose); presents are not outputs; the symbols carry upper bounds for memory planning."""
     mod, meta, _, notes = build_module(hf_model("llama", exporter, kv=True), "host", "none", max_length=100,
                                        max_batch=3)
     info = meta["kv_step"]
@@ -67,10 +71,13 @@ def test_step_structure(hf_model, exporter):
     func = mod[STEP_FUNC]
     shapes = [[_dim(d) for d in p.ty.shape.values] for p in func.params[:-1]]
     assert shapes[0] == ["batch", "seq"] and shapes[1] == ["batch", LENGTH]
-    assert all(s == ["batch", 2, LENGTH, 16] for s in shapes[2:]), shapes
+    assert shapes[2::2] == [["batch", 2, 16, LENGTH]] * 2 and shapes[3::2] == [["batch", 2, LENGTH, 16]] * 2, shapes
+    assert info["layouts"] == ["bhdl", "bhld"] * 2 and info["fused_attention"] == 4
     text = func.script()
     assert text.count("R.call_tir_inplace") == 4 and "past_key_values_0_key," in text
-    assert "R.concat((past_key" not in text
+    assert "R.concat((past_key" not in text and "R.broadcast_to" not in text and "R.expand_dims(lv" in text
+    grouped = [line for line in text.splitlines() if "R.matmul(" in line and "(batch, 2, seq * 2, " in line]
+    assert len(grouped) == 4, grouped  # q and p grouped by KV head: [batch, kv heads, 2 heads x seq, .]
     assert [_dim(d) for d in func.ret_ty.shape.values] == ["batch", "seq", 256]  # logits only
     bounds = {k: int(v) for k, v in func.attrs["tir_var_upper_bound"].items()}
     assert bounds == {"batch": 3, "seq": 100, LENGTH: 128, "kv_past": 100}
@@ -180,3 +187,34 @@ def test_step_that_disagrees_with_main_is_dropped(tmp_path, monkeypatch):
     bad = compile_model(path, tmp_path / "bad.so", "host", "none")
     assert "kv_step" not in bad.metadata
     assert any("no in-place KV-cache step (logits differ (simulated))" in n for n in bad.notes), bad.notes
+
+
+def test_grouped_attention_matmuls_are_scheduled_right(hf_dir):
+    """The step's attention matmuls (q and p grouped by KV head: rows = heads per KV head x
+    seq, here 4 x seq: whole register tiles, no padded copies) under the generic CPU rule
+    equal TVM's default loops at several bindings of batch, seq and kv_length."""
+    from qtvm.bench.e2e import export_model
+    from qtvm.target import parse_target
+    from schedules.verify import compare
+    from schedules.x86_generic import fuse_generic_ops, generic_schedules
+
+    cfg = {"hidden": 128, "layers": 1, "intermediate": 64, "vocab": 64, "heads": 8, "kv_heads": 2}
+    path = hf_dir / "llama_rep4_kv.onnx"
+    if not path.exists():
+        export_model(cfg, path)
+    target = parse_target("host")
+    mod, meta, *_ = build_module(path, target, "none", max_length=256)
+    assert meta["kv_step"]["fused_attention"] == 2
+    fused = fuse_generic_ops(mod, target)
+    def attention(func):  # a reduction whose buffers span the cache length
+        text = func.script()
+        return "T.axis.remap" in text and '"SSSSR"' in text and LENGTH in text
+
+    pairs = [(gv.name_hint, fused[gv], sch) for gv, sch in generic_schedules(fused, target).items()
+             if sch is not None and attention(fused[gv])]
+    assert len(pairs) == 2, [p[0] for p in pairs]
+    # p @ v: whole tiles (4 x seq rows, head dim 16), no padded copies; q @ k^T pads the cache length
+    assert sorted("_pad" in sch.script() for _, _, sch in pairs) == [False, True]
+    bindings = [{"batch": b, "seq": s, LENGTH: n} for b, s, n in [(1, 1, 64), (2, 3, 64), (1, 67, 128), (3, 64, 67)]]
+    bad = [f"{name}: {m}" for name, func, scheduled in pairs for m in compare(func, scheduled, target, bindings)]
+    assert not bad, bad
