@@ -145,7 +145,7 @@ class KVSession:
         staged[0][...] = ids
         views = self._views
         args = [staged[1] if name == self._ids_name else views[name] for name in self._order]
-        logits = self._step(*args, self._shape((self.length,)))
+        logits = self._step(*args, self._shape((self.length, layout // self.pad)))
         self.length = total
         return np.from_dlpack(logits)  # the VM's own fresh output: a view, no copy
 

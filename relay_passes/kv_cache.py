@@ -10,13 +10,13 @@ function, ``qtvm_kv_step``, built from ``main`` after the weight passes:
   owns; ``Concat(past, new)`` becomes an in-place write of ``new`` at rows
   ``[past, past + seq)`` (``call_tir_inplace``), and the attention reads the buffer
   itself; the present outputs are dropped (the buffers are the cache);
-* the total length ``past + seq`` becomes a symbol of its own, ``kv_length``, wherever it
-  occurs: shapes, ranges, and values the graph computes from the symbols (a flattened
+* the total length ``past + seq`` becomes ``kv_length`` = 64 x ``kv_blocks`` (a symbol
+  of its own: kernels know it is a multiple of 64), wherever it occurs: shapes, ranges, and values the graph computes from the symbols (a flattened
   mask's row stride). The caller rounds it up to a multiple of 64 (attention shapes then
   change once every 64 tokens) and passes a mask that is zero on the padding, so padded
   keys get probability exactly 0 (the causal mask, built from key positions up to
   ``kv_length``, excludes them too). ``past`` alone (the position of the first new token:
-  RoPE, position ids) stays the true past length, now a scalar input;
+  RoPE, position ids) stays the true past length; both come in a shape input;
 * the function carries ``tir_var_upper_bound`` for its symbols, so Relax plans its memory
   once, for the largest batch and length, instead of per call.
 
@@ -42,8 +42,8 @@ from tvm.script import tirx as T
 from qtvm.frontend.importer import OPAQUE, VALUES_ATTR, ZERO_ATTR
 
 STEP_FUNC = "qtvm_kv_step"
-LENGTH = "kv_length"  # the step's padded total length (keys the attention sees)
-PAST = "kv_past"  # the step's past length (rows already in the cache), a shape input
+BLOCKS = "kv_blocks"  # the step's length in 64-token blocks: keys the attention sees = 64 * kv_blocks
+PAST = "kv_past"  # the step's past length (rows already in the cache); both come in a shape input
 PAD = 64
 
 _CONCAT = tvm.ir.Op.get("relax.concat")
@@ -230,7 +230,8 @@ class _Builder:
         if past_name not in self.symbols:
             raise Decline("no single past-length symbol among the inputs")
         self.past = self.symbols[past_name]
-        self.length = tirx.Var(LENGTH, "int64")
+        self.blocks = tirx.Var(BLOCKS, "int64")
+        self.length = self.blocks * PAD  # a multiple of 64 by construction: kernels need no tails for it
         self.new_past = tirx.Var(PAST, "int64")
         self.tir_map: list[tuple] = []  # (old var, new expression)
         self.relax_map: dict = {}
@@ -422,7 +423,7 @@ class _Builder:
                 cache_params[p] = params[-1]
             else:
                 self.relax_map[p] = params[-1]
-        past_param = relax.Var("past_length", relax.ShapeType([self.new_past]))
+        past_param = relax.Var("lengths", relax.ShapeType([self.new_past, self.blocks]))
         self.bb = bb = relax.BlockBuilder(self.mod)
         try:
             self._emit(bb, [*params, past_param], caches, appends, aliases, cache_params)
@@ -434,7 +435,7 @@ class _Builder:
         self._check(func)
         batch = [d for d in _shape(params[main.params.index(caches[0])].ty)[:1] if isinstance(d, tirx.Var)]
         bounds = {v.name: self.max_length for _, v in self.tir_map if isinstance(v, tirx.Var)}
-        bounds.update({LENGTH: capacity(self.max_length), PAST: self.max_length})
+        bounds.update({BLOCKS: capacity(self.max_length) // PAD, PAST: self.max_length})
         if batch:
             bounds[batch[0].name] = self.max_batch
         mod[STEP_FUNC] = func.with_attrs({"global_symbol": STEP_FUNC, "num_input": len(params) + 1,
@@ -443,7 +444,7 @@ class _Builder:
         info = {"function": STEP_FUNC, "caches": [index[c.name] for c in caches], "mask": index[mask.name],
                 "layouts": [BHDL if c in transposed else BHLD for c in caches],
                 "fused_attention": sum(1 for plan in self.plans.values()),
-                "ids": index[ids.name], "axis": axis, "length": LENGTH, "pad": PAD, "max_length": self.max_length,
+                "ids": index[ids.name], "axis": axis, "pad": PAD, "max_length": self.max_length,
                 "max_batch": self.max_batch, "batch": batch[0].name if batch else None, "seq": self.seq.name}
         return mod, info
 
