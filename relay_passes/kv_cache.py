@@ -17,6 +17,9 @@ function, ``qtvm_kv_step``, built from ``main`` after the weight passes:
   keys get probability exactly 0 (the causal mask, built from key positions up to
   ``kv_length``, excludes them too). ``past`` alone (the position of the first new token:
   RoPE, position ids) stays the true past length; both come in a shape input;
+* the exported attention (``repeat_kv``: each KV head repeated for its query heads, keys
+  transposed, ``q @ k^T``, ``p @ v``) becomes matmuls of q and p grouped per KV head against
+  the cache itself, keys stored transposed (``_attention``): no per-token copy of the cache;
 * the function carries ``tir_var_upper_bound`` for its symbols, so Relax plans its memory
   once, for the largest batch and length, instead of per call.
 
