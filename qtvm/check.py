@@ -68,12 +68,22 @@ def default_bindings(dims: list[str]) -> list[dict]:
 
 
 def _symbolic_dims(inputs: list[dict]) -> list[str]:
+    """The plain symbols of the inputs' dims (an expression such as ``past + seq`` follows
+    from its symbols)."""
+    from qtvm import dims as dimexpr
+
     dims = []
     for spec in inputs:
         for d in spec["shape"]:
-            if isinstance(d, str) and d != "?" and d not in dims:
-                dims.append(d)
+            if isinstance(d, str) and d != "?":
+                dims += [s for s in dimexpr.symbols(d) if s not in dims]
     return dims
+
+
+def _evaluate(dim: str, binding: dict):
+    from qtvm import dims as dimexpr
+
+    return dimexpr.evaluate(dim, binding) if dimexpr.parse(dim) is not None else None
 
 
 def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, int_high: int = 16) -> dict:
@@ -87,6 +97,8 @@ def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, in
                 shape.append(d)
             elif d in binding:
                 shape.append(binding[d])
+            elif _evaluate(d, binding) is not None:  # 'past + seq' of a KV-cache export
+                shape.append(_evaluate(d, binding))
             else:
                 raise QtvmError(f"input '{spec['name']}' has dim '{d}' with no size",
                                 f"give it with --shape {d}=N")

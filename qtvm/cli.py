@@ -23,7 +23,8 @@ def _cmd_compile(args) -> int:
 
     with tvm_output_captured(), stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
-                               args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step)
+                               args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step,
+                               max_length=args.max_length, max_batch=args.max_batch, kv_step=not args.no_kv_step)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -54,6 +55,43 @@ def _parse_feed(text: str):
         return name, np.load(path, allow_pickle=False)
     except Exception:
         raise QtvmError(f"input file '{path}' is not a .npy array", "save it with numpy.save") from None
+
+
+def _cmd_generate(args) -> int:
+    import time
+
+    import numpy as np
+
+    from qtvm.deploy.elf import refuse_foreign
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise QtvmError("give the prompt token ids with --prompt 1,2,3 or --prompt-file ids.npy (one of them)")
+    if args.prompt is not None:
+        try:
+            ids = np.array([[int(t) for t in args.prompt.split(",") if t.strip()]], np.int64)
+        except ValueError:
+            raise QtvmError(f"--prompt '{args.prompt}' is not comma-separated token ids", "e.g. --prompt 1,2,3") from None
+    else:
+        _, ids = _parse_feed(f"prompt={args.prompt_file}")
+        ids = np.asarray(ids, np.int64).reshape(1, -1) if np.ndim(ids) < 2 else np.asarray(ids, np.int64)
+    if ids.size == 0:
+        raise QtvmError("the prompt is empty")
+    refuse_foreign(args.artefact)
+    from qtvm import runtime
+
+    module = runtime.load(args.artefact)
+    start = time.perf_counter()
+    tokens = module.generate(ids, args.max_new_tokens, eos_token_id=args.eos)
+    seconds = time.perf_counter() - start
+    for row in tokens:
+        print(" ".join(str(int(t)) for t in row[ids.shape[1]:]))
+    if not getattr(args, "quiet", False):
+        from qtvm.generate import ConcatSession, KVSession
+
+        mode = (KVSession if module.metadata.get("kv_step") else ConcatSession).mode
+        print(f"{args.max_new_tokens} tokens after {ids.shape[1]} prompt tokens in {seconds * 1e3:.1f} ms "
+              f"({mode})", file=sys.stderr)
+    return 0
 
 
 def _cmd_run(args) -> int:
@@ -158,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error), or "
                         "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk; "
                         "OpenCL: fp32 sums, and fp16-acc16 for fp16 sums per lane chunk)")
+    c.add_argument("--max-length", type=int, metavar="N",
+                   help="past_key_values exports: tokens the generation cache holds (default: the model's "
+                        "position limit, else 2048); memory is planned for it once")
+    c.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="past_key_values exports: sequences generated at once (default 1)")
+    c.add_argument("--no-kv-step", action="store_true",
+                   help="past_key_values exports: no in-place KV-cache step (generation feeds presents back)")
     c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "
                                                  "than the analytic schedule use the tuned schedule")
     c.add_argument("--gptq", metavar="CKPT.safetensors",
@@ -184,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
     r.add_argument("--save", metavar="OUT.npz", help="save outputs")
     r.set_defaults(fn=_cmd_run)
+
+    g = sub.add_parser("generate", help="greedy generation with an artefact compiled from a past_key_values export")
+    g.add_argument("artefact")
+    g.add_argument("--prompt", metavar="IDS", help="prompt token ids, comma-separated")
+    g.add_argument("--prompt-file", metavar="IDS.npy", help="prompt token ids, [n] or [batch, n] int64")
+    g.add_argument("-n", "--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--eos", type=int, help="end-of-sequence token id (rows stop at it)")
+    g.set_defaults(fn=_cmd_generate)
 
     f = sub.add_parser("formats", help="list weight format presets")
     f.set_defaults(fn=_cmd_formats)
@@ -240,12 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write (created)")
     b.set_defaults(fn=_cmd_bundle_runtime)
 
+    from qtvm.bench.e2e import add_e2e_parser  # argparse only; imports lazily
     from qtvm.bench.gemv import add_bench_parser  # argparse only; imports lazily
     from qtvm.bench.prefill import add_prefill_parser  # argparse only; imports lazily
     from qtvm.report import add_report_parser  # argparse only; the report imports lazily
 
     add_report_parser(sub)  # qtvm quantize-report
-    add_prefill_parser(add_bench_parser(sub))  # qtvm bench gemv, qtvm bench prefill
+    bench = add_bench_parser(sub)  # qtvm bench gemv
+    add_prefill_parser(bench)  # qtvm bench prefill
+    add_e2e_parser(bench)  # qtvm bench e2e
     _add_verbosity(p)
     return p
 

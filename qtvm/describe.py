@@ -17,7 +17,7 @@ from qtvm.errors import QtvmError
 # Keys the summary lays out itself; any other key is listed under "other".
 _KNOWN = {"format", "activations", "target", "required_cpu_flags", "inputs", "outputs", "quantized_matmuls",
           "packed_bytes", "float_weight_bytes", "layers", "prequantized_matmuls", "prequantized",
-          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero"}
+          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero", "kv_step"}
 # Metadata keys naming the GPU architecture a device artefact needs (the GPU targets add one).
 GPU_ARCH_KEYS = ("required_gpu_arch", "gpu_arch", "cuda_arch", "sm")
 
@@ -122,6 +122,10 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     else:
         rows.append(("weights", "float (--quant none)" if meta.get("format") == "none" else
                      f"format {meta.get('format', '?')}"))
+    kv = meta.get("kv_step")
+    if kv:
+        rows.append(("generation", f"in-place KV cache ({kv['function']}): up to {kv['max_length']} tokens, "
+                                   f"batch <= {kv['max_batch']}, attention length padded to {kv['pad']}"))
     width = max(len(k) for k, _ in rows) + 2
     lines = [f"{k + ':':<{width}}{v}" for k, v in rows]
     layers = meta.get("layers") or []

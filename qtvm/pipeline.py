@@ -58,8 +58,13 @@ def _metadata_function(meta: dict) -> relax.Function:
 def build_module(model_path, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
                  activations: str = "fp32", db: str | os.PathLike | None = None,
                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
-                 calib: str | os.PathLike | None = None):
+                 calib: str | os.PathLike | None = None, max_length: int | None = None, max_batch: int = 1,
+                 kv_step: bool = True):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
+
+    A past_key_values export also gets ``qtvm_kv_step`` (``relay_passes.kv_cache``): greedy
+    generation over caches allocated once for ``max_length`` tokens (default: the model's
+    position limit, else 2048) and ``max_batch`` sequences.
 
     Weights the model brings quantized (MatMulNBits, DequantizeLinear, MatMulInteger) or
     that a GPTQ checkpoint (``gptq``) supplies run on packed kernels whatever ``quant`` is;
@@ -138,8 +143,49 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
             notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
                          f"constant ({', '.join(summary.float_matmuls[:4])}"
                          f"{', ...' if len(summary.float_matmuls) > 4 else ''})")
+    if kv_step:  # metadata "kv_step" only where the artefact has the step
+        mod, info, kv_note = _kv_step(mod, meta, max_length, max_batch)
+        notes += [kv_note] if kv_note else []
+        if info is not None:
+            meta["kv_step"] = info
     mod[METADATA_FUNC] = _metadata_function(meta)
     return mod, meta, summary, notes
+
+
+DEFAULT_MAX_LENGTH = 2048
+
+
+def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
+    """The in-place KV-cache step for a past_key_values export (None for other models)."""
+    from relay_passes.kv_cache import add_kv_step
+
+    if max_length is None:
+        max_length = min([DEFAULT_MAX_LENGTH, *meta["dim_limits"].values()])
+    if max_length < 1 or max_batch < 1:
+        raise QtvmError(f"--max-length {max_length} and --max-batch {max_batch} must both be >= 1")
+    mod, info, note = add_kv_step(mod, max_length, max_batch)
+    if info is not None:
+        names = [i["name"] for i in meta["inputs"]]
+        info = {**info, "caches": [names[i] for i in info["caches"]], "mask": names[info["mask"]],
+                "ids": names[info["ids"]]}
+    return mod, info, note
+
+
+def _check_kv_step(path, meta: dict) -> str | None:
+    """Run the exported step against main here (see qtvm.generate.check_step)."""
+    from qtvm import generate
+    from qtvm.runtime import Module
+
+    tol = 3e-2 if meta["activations"] == "int8" else 1e-3  # int8 rounding may flip on a 1e-7 difference
+    return generate.check_step(Module(path), tol=tol)
+
+
+def _export(ex, path, toolchain) -> None:
+    from qtvm.deploy.toolchain import export_library
+    from qtvm.quiet import tvm_output_captured
+
+    with tvm_output_captured():  # TVM logs a warning per planned memory scope while saving
+        export_library(ex, path, toolchain)
 
 
 def _layer_table(layers) -> list[dict]:
@@ -151,6 +197,13 @@ def _layer_table(layers) -> list[dict]:
                                     "bits_per_weight": round(layer.qt.bits_per_weight, 3)})
         row["count"] += 1
     return list(rows.values())
+
+
+def _runs_here(target: tvm.target.Target) -> bool:
+    """A CPU build this machine can execute (a native link; no flag the host lacks)."""
+    from qtvm.hostinfo import host_cpu_flags
+
+    return target.kind.name == "llvm" and set(cpu_flags_required(target)) <= host_cpu_flags()
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):
@@ -180,7 +233,8 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                   gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
                   calib: str | os.PathLike | None = None, *,
                   host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
-                  progress=None) -> CompileResult:
+                  progress=None, max_length: int | None = None, max_batch: int = 1,
+                  kv_step: bool = True) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
 
     ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
@@ -188,7 +242,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     ``host`` is the CPU part of a device target (``--host``); an artefact for another
     machine (``-mtriple``) is linked by its cross toolchain (``qtvm.deploy.toolchain``,
     resolved before any work; ``cross_cc`` names one) and checked with readelf."""
-    from qtvm.deploy.toolchain import export_library, toolchain_for, with_default_host
+    from qtvm.deploy.toolchain import toolchain_for, with_default_host
 
     start = time.perf_counter()
     out = check_output_path(out)
@@ -197,7 +251,8 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     toolchain = toolchain_for(target, cross_cc)
     step = progress or (lambda stage: None)
     step("import + quantize")
-    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib)
+    mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib,
+                                             max_length, max_batch, kv_step)
     notes = ([host_note] if host_note else []) + notes
     step("schedule + build")
     ex = compile_relax(schedule_generic_ops(mod, target), target)
@@ -205,7 +260,20 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:
-        export_library(ex, tmp, toolchain)
+        _export(ex, tmp, toolchain)
+        if meta.get("kv_step"):
+            problem = _check_kv_step(tmp, meta) if toolchain is None and _runs_here(target) else "skip"
+            if problem == "skip":
+                notes.append("the KV-cache step was not run against main here (another machine's target)")
+            elif problem:  # the rewrite is not right for this model: ship main only
+                from relay_passes.kv_cache import STEP_FUNC
+
+                notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
+                del meta["kv_step"]
+                del mod[STEP_FUNC]
+                mod[METADATA_FUNC] = _metadata_function(meta)
+                Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping
+                _export(tvm.compile(schedule_generic_ops(mod, target), target=target), tmp, toolchain)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -429,12 +429,19 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     memory and every k step a store-to-load chain. The elementwise epilogue (scale,
     causal mask) is inlined into the copy-out of the valid region."""
     n_batch = len(sch.get_loops(mm)) - 3
-    sch.pad_einsum(mm, [1] * n_batch + [_MM_ROWS, lanes, 1])
-    producers = sch.get_producers(mm)
-    (crop,) = sch.get_consumers(mm)
+    *_, rows, cols, _ = [_extent(sch, loop) for loop in sch.get_loops(mm)]
+    whole = _divides(_MM_ROWS, rows) and _divides(lanes, cols)
+    if whole:  # whole tiles already (GQA rows kv_heads x seq): no padded copies, no copy-out
+        producers, crop = [], None
+    else:
+        sch.pad_einsum(mm, [1] * n_batch + [_MM_ROWS, lanes, 1])
+        producers = sch.get_producers(mm)
+        (crop,) = sch.get_consumers(mm)
     for block in sch.get_child_blocks(root):
-        if _name(sch, block) not in {_name(sch, b) for b in [mm, crop, *producers]}:
+        if crop is not None and _name(sch, block) not in {_name(sch, b) for b in [mm, crop, *producers]}:
             sch.reverse_compute_inline(block)  # raises for a non-elementwise epilogue
+        elif crop is None and _name(sch, block) != _name(sch, mm):
+            _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)  # the epilogue stays its own nest
     tile = sch.cache_write(mm, 0, "local")
     *batch, i, j, k = sch.get_loops(mm)
     io, ii = sch.split(i, [None, _MM_ROWS])
@@ -451,9 +458,16 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     if batch:  # operand copies per batch slice (the copy-out stays a separate nest: attached
         for pad in producers:  # it gets bounds TVM cannot simplify, and scalar code)
             sch.compute_at(pad, batch[-1], preserve_unit_loops=True)
-    for block in [*producers, crop]:
+    for block in [*producers, *([crop] if crop is not None else [])]:
         _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
     return True
+
+
+def _divides(n: int, extent) -> bool:
+    """``extent`` is provably a multiple of ``n`` (constant, or such as ``seq * 8``)."""
+    from tvm.sym import Analyzer
+
+    return bool(Analyzer().can_prove_equal(tirx.floormod(extent, n), 0))
 
 
 def _is_column_reduction(sch, block) -> bool:

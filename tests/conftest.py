@@ -1,5 +1,9 @@
-"""Shared fixtures: small ONNX models and one compiled tiny LLaMA per session."""
+"""Shared fixtures: small ONNX models, one compiled tiny LLaMA per session, and transformers
+exports (compiled once per session, for every directory's tests)."""
 from __future__ import annotations
+
+import os
+import pathlib
 
 import numpy as np
 import onnx
@@ -56,3 +60,37 @@ def mlp_path(tmp_path):
     path = tmp_path / "mlp.onnx"
     onnx.save(mlp_model(), str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory) -> pathlib.Path:
+    """Where exports go: QTVM_TEST_EXPORTS (kept between sessions) or a session temp dir."""
+    kept = os.environ.get("QTVM_TEST_EXPORTS")
+    return pathlib.Path(kept) if kept else tmp_path_factory.mktemp("hf_exports")
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_dir):
+    """hf_model(family, exporter, kv=False) -> ONNX path, exported once per session."""
+    from tests.frontend.transformers_exports import cached_export
+
+    return lambda family, exporter, kv=False, mask=True: cached_export(hf_dir, family, exporter, kv, mask)
+
+
+@pytest.fixture(scope="session")
+def hf_compiled(hf_model, tmp_path_factory):
+    """hf_compiled(family, exporter, quant, kv=False) -> CompileResult, compiled once per session.
+    KV exports are compiled for generation at batch <= 2 (the KV step's memory plan)."""
+    from qtvm.pipeline import compile_model
+
+    done = {}
+    out_dir = tmp_path_factory.mktemp("hf_artefacts")
+
+    def get(family, exporter, quant, kv=False):
+        key = (family, exporter, quant, kv)
+        if key not in done:
+            path = hf_model(family, exporter, kv)
+            done[key] = compile_model(path, out_dir / f"{'_'.join(map(str, key))}.so", "host", quant,
+                                      max_batch=2 if kv else 1)
+        return done[key]
+    return get

@@ -78,3 +78,14 @@ def test_given_inputs(tmp_path, tiny_llama_int4, tiny_llama_path):
     report = check(tiny_llama_path, tiny_llama_int4[0], feeds={"input_ids": np.array([[1, 2, 3]], np.int64)})
     assert report.ok and len(report.rows) == 1 and report.rows[0].shape == (1, 3, 512)
     assert 1e-2 < report.rows[0].err_vs_float and report.rows[0].err_own < 1e-5
+
+
+def test_kv_cache_export_dims_follow_from_symbols(hf_model, hf_compiled):
+    """A KV-cache export's mask is [batch, past + seq]: its size follows from the symbols
+    (qtvm check binds batch, seq and past)."""
+    result = hf_compiled("llama", "legacy", "none", kv=True)
+    report = check(hf_model("llama", "legacy", kv=True), result.path)
+    assert report.ok
+    assert {tuple(sorted(r.binding.items())) for r in report.rows} == {
+        (("batch", 1), ("past", 17), ("seq", 3)), (("batch", 3), ("past", 1), ("seq", 17)),
+        (("batch", 17), ("past", 3), ("seq", 1))}

@@ -79,6 +79,18 @@ def test_summary_shows_gpu_arch_and_keys_it_does_not_know():
     assert "main(x: float32[m, 64]) -> y: float32[m, 8]" in text
 
 
+def test_summary_shows_the_kv_step():
+    meta = {"format": "none", "target": json.dumps({"kind": "llvm"}), "required_cpu_flags": [],
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}],
+            "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", 8]}],
+            "kv_step": {"function": "qtvm_kv_step", "max_length": 2048, "max_batch": 2, "pad": 64}}
+    line = next(t for t in summary(meta).splitlines() if t.startswith("generation:"))
+    assert line.split(":", 1)[1].strip() == ("in-place KV cache (qtvm_kv_step): up to 2048 tokens, batch <= 2, "
+                                             "attention length padded to 64")
+    del meta["kv_step"]
+    assert "generation" not in summary(meta) and "kv_step" not in summary(meta)
+
+
 def test_target_text_reads_what_users_type():
     assert target_text('{"kind":"llvm","tag":"","keys":["cpu"],"mcpu":"znver3","mattr":["+avx2","+fma"]}') == \
         "llvm -mcpu=znver3 -mattr=+avx2,+fma"

@@ -153,3 +153,46 @@ def test_dimension_expressions_limits_and_zero_lengths():
         m.check_inputs(feeds(seq=9))
     with pytest.raises(QtvmError, match="sizes must be >= 1"):
         m.check_inputs(feeds(seq=0))
+
+
+def _view_model(path):
+    """y = Reshape(x) (Relax makes it a view of the input), z = Relu(x)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"]), helper.make_node("Relu", ["x"], ["z"])], "views",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 2]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(np.array([-1, 2, 2], np.int64), "shape")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    return path
+
+
+@pytest.mark.parametrize("batch", [3, 5000])  # staged (small) and handed over without a copy (aligned, >= 64 KB)
+def test_outputs_are_arrays_of_their_own(tmp_path, batch):
+    """Inputs go in without tvm.runtime.tensor's copy and outputs come out as views of the
+    VM's results: no output may share memory with an input (a reshape of one) or change
+    when the module runs again."""
+    from qtvm import runtime
+    from qtvm.pipeline import compile_model
+
+    art = compile_model(_view_model(tmp_path / "v.onnx"), tmp_path / "v.so", "host", "none").path
+    m = runtime.load(art)
+    raw = np.empty(batch * 4 + 16, np.float32)
+    off = (-raw.ctypes.data % 64) // 4
+    x = raw[off:off + batch * 4].reshape(batch, 4)  # 64-byte aligned
+    x[...] = np.random.default_rng(0).standard_normal((batch, 4))
+    first = m.run({"x": x})
+    kept = {k: v.copy() for k, v in first.items()}
+    np.testing.assert_array_equal(first["y"], x.reshape(batch, 2, 2))
+    assert not np.shares_memory(first["y"], x) and not np.shares_memory(first["y"], first["z"])
+    x[...] = -1.0
+    second = m.run({"x": x})
+    for k, v in first.items():
+        np.testing.assert_array_equal(v, kept[k])  # untouched by the later call and by the input's change
+    np.testing.assert_array_equal(second["y"], np.full((batch, 2, 2), -1.0, np.float32))
+    assert not second["z"].any()
+    with pytest.raises(QtvmError, match="dtype float64, expected float32"):  # a validated shape, another dtype
+        m.run({"x": x.astype(np.float64)})

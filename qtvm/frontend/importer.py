@@ -31,6 +31,7 @@ OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps leaves the function alone
 LIMITS_ATTR = "qtvm.dim_limits"  # {symbol: largest accepted value}, JSON
 OUTPUT_DIMS_ATTR = "qtvm.output_dims"  # [[dim, ...] per output], dims as ints or expression text, JSON
 ZERO_ATTR = "qtvm.may_be_zero"  # symbols that may be bound to 0 (a KV cache's past length), JSON
+VALUES_ATTR = "qtvm.values"  # on a shape-values PrimFunc: the expressions it computes, over its scalar params
 
 
 class ImportFailure(Exception):
@@ -276,7 +277,7 @@ class Importer(ONNXGraphImporter):
             values = te.compute((len(exprs),), element, name="values")
             name = f"qtvm_shape_values{len(self._value_funcs)}"
             func = te.create_prim_func([*symbols, values]).with_attrs(
-                {"op_pattern": OPAQUE, "tir.is_scheduled": True, "global_symbol": name})
+                {"op_pattern": OPAQUE, "tir.is_scheduled": True, "global_symbol": name, VALUES_ATTR: exprs})
             self._value_funcs[key] = self.bb.add_func(func, name)
         return relax.call_tir(self._value_funcs[key], relax.Tuple([relax.prim_value(v) for v in symbols]),
                               relax.TensorType([len(exprs)], "int64"))

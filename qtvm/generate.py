@@ -1,0 +1,254 @@
+"""Greedy generation over a KV cache (runtime side; libtvm_runtime only).
+
+An artefact compiled from a past_key_values export carries ``qtvm_kv_step``
+(``relay_passes.kv_cache``): the caches are buffers this module owns, allocated once for
+the artefact's maximum length, and the step writes each token's keys and values into
+them in place. The attention sees the cache with its length rounded up to a multiple of
+64 (``kv_length``) and the mask zero on the padding, so its shapes change once every 64
+tokens. The buffers hold ``[batch, heads, kv_length, dim]`` contiguously (keys that feed
+the attention's ``q @ k^T`` as ``[batch, heads, dim, kv_length]``): when the rounded length
+grows (every 64 tokens) each row is moved once, in place, to its new stride; between those
+moves nothing of the cache is copied.
+
+An artefact without the step (a model the rewrite declined) runs ``main`` with the
+presents fed back as it was exported: a copy of the cache per token, said by ``mode``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from qtvm.errors import QtvmError
+
+
+def _aligned(shape, dtype):
+    """(numpy array, TVM tensor) on the same 64-byte aligned memory."""
+    import tvm_ffi
+
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    a = raw[off:off + n].view(dtype).reshape(shape)
+    return a, tvm_ffi.from_dlpack(a)
+
+
+def _move_rows(flat: np.ndarray, rows: int, old: int, new: int) -> None:
+    """``rows`` rows of ``old`` values at the front of ``flat`` re-laid at stride ``new``."""
+    kept = flat[:rows * old].reshape(rows, old).copy()
+    dst = flat[:rows * new].reshape(rows, new)
+    dst[:, :old] = kept
+    dst[:, old:] = 0
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class KVSession:
+    """One generation's state: the caches (preallocated for ``max_length`` tokens), the
+    mask, and how many tokens the cache holds (``length``)."""
+
+    mode = "in-place cache (qtvm_kv_step)"
+
+    def __init__(self, module, batch: int = 1):
+        import tvm
+        import tvm_ffi
+
+        info = module.metadata["kv_step"]
+        self.module, self.info = module, info
+        self.max_length, self.pad = int(info["max_length"]), int(info["pad"])
+        if not 1 <= batch <= int(info["max_batch"]):
+            raise QtvmError(f"batch {batch} is outside this artefact's KV-cache step (batch 1 .. {info['max_batch']})",
+                            "recompile with --max-batch")
+        self.batch = batch
+        specs = {s["name"]: s for s in module.inputs}
+        self._order = [s["name"] for s in module.inputs]
+        self._ids_name = info["ids"]
+        self._step = module._vm[info["function"]]
+        self._shape = tvm_ffi.Shape
+        # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
+        self._rows = {}
+        self._buffers, self._flat = {}, {}
+        layouts = info.get("layouts") or ["bhld"] * len(info["caches"])
+        for name, layout in zip(info["caches"], layouts):
+            spec = specs[name]
+            _, heads, _, dim = spec["shape"]
+            self._rows[name] = (int(heads), int(dim), spec["dtype"], layout)
+            buf = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),), spec["dtype"])
+            self._buffers[name] = buf
+            self._flat[name] = np.from_dlpack(buf)
+            self._flat[name][:] = 0  # padded keys must be finite: probability 0 times a value
+        self._mask_dtype = specs[info["mask"]]["dtype"]
+        self._mask_buf = tvm.runtime.empty((batch * self.max_length,), self._mask_dtype)
+        self._mask_flat = np.from_dlpack(self._mask_buf)
+        self._mask_flat[:] = 0
+        self.length = 0
+        self._layout = 0  # the L the buffers are laid out for (0: nothing yet)
+        self._views: dict = {}
+        self._ids: dict = {}  # n -> (staging array [batch, n], its tensor): no allocation per token
+
+    # -- cache layout ----------------------------------------------------------------------
+    def _relayout(self, new: int) -> None:
+        """Move every row from length ``self._layout`` to ``new`` (> it) in its buffer (rows:
+        (batch, head) of [length, dim] blocks, or (batch, head, dim) of transposed keys);
+        the padding after each row is zeroed (masked keys must still be finite)."""
+        old = self._layout
+        for name, flat in self._flat.items():
+            heads, dim, _, layout = self._rows[name]
+            rows, width = (self.batch * heads, dim) if layout == "bhld" else (self.batch * heads * dim, 1)
+            _move_rows(flat, rows, old * width, new * width)
+        _move_rows(self._mask_flat, self.batch, old, new)
+        self._layout = new
+        self._views = {name: buf._create_view(self._shape_of(name, new), self._rows[name][2])
+                       for name, buf in self._buffers.items()}
+        self._views[self.info["mask"]] = self._mask_buf._create_view((self.batch, new), self._mask_dtype)
+
+    def _shape_of(self, name: str, length: int) -> tuple:
+        heads, dim, _, layout = self._rows[name]
+        return (self.batch, heads, length, dim) if layout == "bhld" else (self.batch, heads, dim, length)
+
+    def mask(self) -> np.ndarray:
+        """The mask as the step sees it, [batch, kv_length] (a view)."""
+        return self._mask_flat[:self.batch * self._layout].reshape(self.batch, self._layout)
+
+    def cache(self, name: str) -> np.ndarray:
+        """Cache ``name``'s first ``length`` positions, [batch, heads, length, dim] (a copy)."""
+        heads, dim, _, layout = self._rows[name]
+        full = self._flat[name][:self.batch * heads * self._layout * dim].reshape(self._shape_of(name, self._layout))
+        if layout == "bhdl":  # keys kept transposed for the attention
+            return full[..., :self.length].transpose(0, 1, 3, 2).copy()
+        return full[:, :, :self.length].copy()
+
+    # -- steps ---------------------------------------------------------------------------
+    def feed(self, ids, attention_mask=None) -> np.ndarray:
+        """Append ``ids`` ([batch, n] int64) and return their logits ([batch, n, vocab]).
+        ``attention_mask`` ([batch, n], 0 for padding such as a left-padded prompt)
+        defaults to ones. Past the maximum length nothing is written: QtvmError."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64) if not isinstance(ids, np.ndarray) or \
+            ids.dtype != np.int64 else np.ascontiguousarray(ids)
+        if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] < 1:
+            raise QtvmError(f"ids have shape {list(ids.shape)}, expected [{self.batch}, n >= 1]")
+        n = ids.shape[1]
+        total = self.length + n
+        if total > self.max_length:
+            raise QtvmError(f"generation past the maximum length: the cache holds {self.length} tokens and "
+                            f"{n} more would make {total} > {self.max_length}",
+                            "stop earlier, or recompile with a larger --max-length")
+        layout = _round_up(total, self.pad)
+        if layout != self._layout:
+            self._relayout(layout)
+        m = self.mask()
+        m[:, self.length:total] = 1 if attention_mask is None else np.asarray(attention_mask).reshape(self.batch, n)
+        staged = self._ids.get(n)
+        if staged is None:
+            staged = self._ids[n] = _aligned((self.batch, n), np.int64)
+        staged[0][...] = ids
+        views = self._views
+        args = [staged[1] if name == self._ids_name else views[name] for name in self._order]
+        logits = self._step(*args, self._shape((self.length, layout // self.pad)))
+        self.length = total
+        return np.from_dlpack(logits)  # the VM's own fresh output: a view, no copy
+
+
+class ConcatSession:
+    """The fallback for artefacts without ``qtvm_kv_step``: ``main`` as exported, its
+    presents fed back (copies of the whole cache per token)."""
+
+    mode = "presents fed back (main)"
+
+    def __init__(self, module, batch: int = 1, max_length: int | None = None):
+        self.module, self.batch, self.length = module, batch, 0
+        self.max_length = max_length or 1 << 30
+        ins = module.inputs
+        self._ids = next(s["name"] for s in ins if s["shape"] == ["batch", "seq"] or s["name"] == "input_ids")
+        self._mask = next((s["name"] for s in ins if s["name"] != self._ids and len(s["shape"]) == 2), None)
+        self._caches = [s for s in ins if len(s["shape"]) == 4]
+        outs = [s["name"] for s in module.outputs]
+        self._logits, self._presents = outs[0], outs[1:]
+        if len(self._presents) != len(self._caches) or self._mask is None:
+            raise QtvmError("this artefact is not a KV-cache export (past_key_values inputs, present outputs)",
+                            "export the model with past_key_values")
+        self._state = {s["name"]: np.zeros((batch, s["shape"][1], 0, s["shape"][3]), s["dtype"])
+                       for s in self._caches}
+        self._mask_values = np.zeros((batch, 0), np.int64)
+
+    def feed(self, ids, attention_mask=None) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        n = ids.shape[1]
+        if self.length + n > self.max_length:
+            raise QtvmError(f"generation past the maximum length: the cache holds {self.length} tokens and "
+                            f"{n} more would make {self.length + n} > {self.max_length}")
+        new = np.ones((self.batch, n), np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        mask = np.concatenate([self._mask_values, new], axis=1)
+        out = self.module.run({self._ids: ids, self._mask: mask, **self._state})
+        self._state = {c["name"]: out[p] for c, p in zip(self._caches, self._presents)}
+        self._mask_values, self.length = mask, self.length + n
+        return out[self._logits]
+
+
+def session(module, batch: int = 1, max_length: int | None = None):
+    """A KV session for ``module``: the in-place step where the artefact has one."""
+    if module.metadata.get("kv_step"):
+        return KVSession(module, batch)
+    return ConcatSession(module, batch, max_length)
+
+
+def generate(module, input_ids, max_new_tokens: int, attention_mask=None, eos_token_id: int | None = None,
+             session_obj=None) -> np.ndarray:
+    """Greedy decoding: the prompt ``input_ids`` ([batch, n] or [n]) and ``max_new_tokens``
+    tokens after it, each the argmax of the last position's logits ([batch, n + new]).
+    Rows that produced ``eos_token_id`` keep producing it. Refused before any work when
+    the tokens to feed (n + max_new_tokens - 1) exceed the cache's maximum length."""
+    ids = np.asarray(input_ids, dtype=np.int64)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    if ids.ndim != 2 or ids.shape[1] < 1:
+        raise QtvmError(f"input_ids have shape {list(ids.shape)}, expected [batch, n] with n >= 1")
+    if max_new_tokens < 1:
+        raise QtvmError(f"max_new_tokens is {max_new_tokens}", "ask for at least one token")
+    s = session_obj or session(module, ids.shape[0])
+    need = s.length + ids.shape[1] + max_new_tokens - 1
+    if need > s.max_length:
+        raise QtvmError(f"generation past the maximum length: {ids.shape[1]} prompt tokens + {max_new_tokens} new "
+                        f"need a cache of {need} > {s.max_length}",
+                        "generate fewer tokens, or recompile with a larger --max-length")
+    logits = s.feed(ids, attention_mask)
+    out = [ids]
+    done = np.zeros(ids.shape[0], bool)
+    for i in range(max_new_tokens):
+        token = logits[:, -1].argmax(-1).astype(np.int64)
+        if eos_token_id is not None:
+            token = np.where(done, eos_token_id, token)
+            done |= token == eos_token_id
+        out.append(token[:, None])
+        if i + 1 < max_new_tokens:
+            logits = s.feed(token[:, None])
+    return np.concatenate(out, axis=1)
+
+
+def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
+    """The step against ``main`` on random inputs: a 3-token prompt (past 0) then one
+    token, at batch min(2, max_batch); logits and cache rows compared. None when they
+    agree within ``tol`` (relative to the largest logit), else what differed."""
+    info = module.metadata["kv_step"]
+    batch = min(2, int(info["max_batch"]))
+    if int(info["max_length"]) < 4:
+        return None
+    rng = np.random.default_rng(seed)
+    vocab = module.outputs[0]["shape"][-1]
+    high = vocab if isinstance(vocab, int) else 2
+    reference = ConcatSession(module, batch)
+    step = KVSession(module, batch)
+    for n in (3, 1):
+        ids = rng.integers(0, high, (batch, n)).astype(np.int64)
+        want, got = reference.feed(ids), step.feed(ids)
+        scale = float(np.abs(want).max()) or 1.0
+        err = float(np.abs(got - want).max()) / scale
+        if not np.isfinite(err) or err > tol:
+            return f"logits differ from main's by {err:.2e} (relative) at past {reference.length - n}, {n} tokens"
+    for spec, name in zip(reference._caches, reference._state):
+        want, got = reference._state[name], step.cache(spec["name"])
+        err = float(np.abs(got - want).max()) / (float(np.abs(want).max()) or 1.0)
+        if err > tol:
+            return f"cache '{name}' differs from main's present by {err:.2e}"
+    return None
