@@ -266,7 +266,9 @@ def test_server_killed_mid_tuning(model, tmp_path):
         assert all(max(float(s) for s in r[1][1]) < 1.0 for r in records)  # no 1e10 "failed" timings
         seen = {json.dumps(tune.trace_knobs(rec.trace), sort_keys=True) for rec in
                 tune.open_database(db, create=False).get_all_tuning_records()}
-        assert len(seen) >= 1 + 4 or "ran out" in out  # analytic + every trial measured
+        # analytic + every trial measured: 5 records at least; a mutation can reach an earlier knob
+        # setting by another trace, so the distinct settings may be one fewer
+        assert (len(records) >= 1 + 4 and len(seen) >= 4) or "ran out" in out
     finally:
         c.close()
 
