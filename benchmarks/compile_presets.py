@@ -3,6 +3,11 @@ write JSON. Used to check `qtvm compile --target cuda -arch=sm_80|sm_90` on ever
 
     python3 benchmarks/compile_presets.py --target "cuda -arch=sm_80" --target "cuda -arch=sm_90" \\
         --json docs/cuda_presets.json
+
+and the OpenCL phone targets, cross-exported for aarch64:
+
+    python3 benchmarks/compile_presets.py --target "opencl -device=mali" --target "opencl -device=adreno" \\
+        --host "llvm -mtriple=aarch64-linux-gnu" --json docs/opencl_presets.json
 """
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", action="append", required=True)
     p.add_argument("--preset", action="append", help="default: every preset")
+    p.add_argument("--act", default="fp32", help="activations (fp32, fp16, fp16-acc16 on OpenCL, ...)")
+    p.add_argument("--host", help="CPU part of the device targets, e.g. 'llvm -mtriple=aarch64-linux-gnu' "
+                                  "(cross export, checked with readelf)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     rows = []
@@ -35,8 +43,9 @@ def main() -> int:
             for target in args.target:
                 start = time.perf_counter()
                 try:
-                    result = compile_model(model, Path(tmp) / "m.so", target, preset)
-                    row = {"preset": preset, "target": target, "ok": True, "seconds": round(time.perf_counter() - start, 1),
+                    result = compile_model(model, Path(tmp) / "m.so", target, preset, args.act,
+                                           **({"host": args.host} if args.host else {}))
+                    row = {"preset": preset, "target": target, "host": args.host, "act": args.act, "ok": True, "seconds": round(time.perf_counter() - start, 1),
                            "bytes": result.path.stat().st_size, "gpu_arch": result.metadata.get("required_gpu_arch")}
                 except QtvmError as e:
                     row = {"preset": preset, "target": target, "ok": False, "error": str(e)}

@@ -153,10 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight format preset (see `qtvm formats`) for float weights, or none, or "
                         "gptq:<uniform preset> (GPTQ on --calib inputs); weights the model brings quantized "
                         "(MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
-    c.add_argument("--act", choices=("fp32", "int8", "fp16"), default="fp32",
+    c.add_argument("--act", choices=("fp32", "int8", "fp16", "fp16-acc16"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error), or "
-                        "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk)")
+                        "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk; "
+                        "OpenCL: fp32 sums, and fp16-acc16 for fp16 sums per lane chunk)")
     c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "
                                                  "than the analytic schedule use the tuned schedule")
     c.add_argument("--gptq", metavar="CKPT.safetensors",

@@ -150,7 +150,8 @@ def f16_unpack_kind(fmt: QuantFormat) -> str | None:
     return None
 
 
-def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None) -> tvm.tirx.PrimFunc:
+def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None,
+                     accumulate: str = "float16") -> tvm.tirx.PrimFunc:
     """``qmatmul_func``'s arguments and result with fp16 activations (a numerics option):
 
         x_f16[m, kk]   = fp16(x)                             the activations, rounded
@@ -159,10 +160,12 @@ def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | Non
         y[m, j]        = sum_c coef * fp32(P) + offset * sum_{kk in c} fp32(x_f16)
 
     so within a chunk (16 to 64 values) the dot runs in half precision (two weights per
-    instruction on a GPU), across chunks and groups in fp32. ``w_decode`` is a stage of its
-    own so a schedule can decode a whole packed run with one TensorIntrin.
+    instruction on a GPU), across chunks and groups in fp32. ``accumulate="float32"``
+    sums P in fp32 instead, of exact products (fp16 x fp16 fits fp32's mantissa): then the
+    activation rounding is the only error. ``w_decode`` is a stage of its own so a schedule
+    can decode a whole packed run with one TensorIntrin.
     """
-    from qtvm.intrin.cuda import RUNS, unpack_value
+    from qtvm.intrin.runs import RUNS, unpack_value
 
     kind = f16_unpack_kind(fmt)
     if kind is None:
@@ -181,9 +184,11 @@ def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | Non
     xh = te.compute((m, kp), lambda i, kk: xk(i, kk).astype("float16"), name=BLOCK_XH)
     dec = te.compute((nblk * nb, kp), lambda j, kk: unpack_value(
         kind, lambda r: qweight[j // nb, (kk // values) * words + r, j % nb], kk % values), name=BLOCK_DECODE)
+    if accumulate not in ("float16", "float32"):
+        raise ValueError(f"accumulate must be float16 or float32, got {accumulate}")
     r = te.reduce_axis((0, ch), name="kk")
-    partial = te.compute((m, nchunks, nblk * nb), lambda i, c, j: te.sum(xh[i, c * ch + r] * dec[j, c * ch + r], axis=r),
-                         name=partial_block(0))
+    partial = te.compute((m, nchunks, nblk * nb), lambda i, c, j: te.sum(
+        xh[i, c * ch + r].astype(accumulate) * dec[j, c * ch + r].astype(accumulate), axis=r), name=partial_block(0))
     r2 = te.reduce_axis((0, ch), name="kx")
     xsum = te.compute((m, nchunks), lambda i, c: te.sum(xh[i, c * ch + r2].astype("float32"), axis=r2),
                       name=BLOCK_XSUM)
@@ -197,7 +202,7 @@ def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | Non
     y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
     func = te.create_prim_func([x, *stored.values(), y])
     desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=1, chunk=ch,
-                activations="fp16", unpack=kind)
+                activations="fp16", unpack=kind, accumulate=accumulate)
     return func.with_attrs({KERNEL_ATTR: "qmatmul_f16", FORMAT_ATTR: desc})
 
 

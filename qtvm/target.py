@@ -56,8 +56,6 @@ def parse_target_dict(text: str) -> dict:
             raise QtvmError(f"target option '{word}' is not of the form -key=value",
                             "e.g. -mcpu=znver2 -mattr=+avx2,+fma")
         key, value = word.lstrip("-").split("=", 1)
-        if key == "device" and kind == "opencl":
-            out.setdefault("keys", []).append(value)
         if key in LIST_OPTIONS:
             out[key] = [v for v in value.split(",") if v]
         elif key in INT_OPTIONS:
@@ -84,6 +82,15 @@ def _gpu_defaults(spec: dict) -> dict:
         if not re.fullmatch(r"sm_\d+a?", str(arch)) or str(arch).rstrip("a") not in CUDA_ARCHS:
             raise QtvmError(f"unsupported CUDA architecture '{arch}'", f"use one of: {', '.join(CUDA_ARCHS)}")
         spec = {**CUDA_DEFAULTS, "l2_cache_size_bytes": CUDA_L2_BYTES[str(arch).rstrip("a")], **spec}
+    if spec["kind"] == "opencl" and "device" in spec:  # keys come from TVM: (device, "opencl", "gpu")
+        from schedules.opencl import device
+
+        row = device(tvm.target.Target({k: v for k, v in spec.items() if k != "host"}))
+        if row is None:
+            raise QtvmError(f"unknown OpenCL device '{spec['device']}'",
+                            "use -device=mali (add -model=bifrost for a Bifrost Mali) or -device=adreno, "
+                            "or no -device for a generic OpenCL GPU")
+        spec = {**row.target_attrs(), **spec}
     return spec
 
 

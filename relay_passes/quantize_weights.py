@@ -123,7 +123,7 @@ class _Rewriter(PyExprMutator):
 
     def _f16_activations(self, fmt: QuantFormat, k: int) -> bool:
         """fp16 activations (the decode GEMV; prefill keeps the exact fp32 GEMM)."""
-        if self.activations != "fp16":
+        if self.activations not in self.facts.f16_accumulate:
             return False
         if not self.facts.f16_activations(fmt, k):
             self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k} (no fp16 kernel)")
@@ -170,8 +170,9 @@ class _Rewriter(PyExprMutator):
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
             decode = self.facts.decode_kernel.get(str(fmt.describe().get("family")), "qmatmul")
             if self._f16_activations(fmt, k):
+                accumulate = self.facts.f16_accumulate[self.activations]
                 gemv = self._kernel("qmatmul_f16", fmt, lambda: ops.qmatmul_f16_func(
-                    fmt, k, n, nb, **self.facts.gemv_options(fmt, k)), k, n)
+                    fmt, k, n, nb, **self.facts.gemv_options(fmt, k), accumulate=accumulate), k, n)
             elif decode == "lut_gemv":
                 from qtvm.lut_gemv import lut_gemv_func
 
@@ -251,7 +252,7 @@ class _Rewriter(PyExprMutator):
                                                     relax.TensorType([rows, qt.n], "float32")))
 
 
-ACTIVATIONS = ("fp32", "int8", "fp16")
+ACTIVATIONS = ("fp32", "int8", "fp16", "fp16-acc16")
 
 
 def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat | None, target: tvm.target.Target,

@@ -16,7 +16,7 @@ import tvm
 from qtvm.errors import QtvmError
 from schedules.facts import KernelFacts
 
-FAMILIES = {"llvm": "schedules.x86", "cuda": "schedules.gpu", "opencl": "schedules.gpu"}
+FAMILIES = {"llvm": "schedules.x86", "cuda": "schedules.gpu", "opencl": "schedules.opencl"}
 
 
 def family(target: tvm.target.Target):

@@ -50,6 +50,13 @@ class GpuParams:
 
 
 def params(target: tvm.target.Target) -> GpuParams:
+    """From the target's limits; a Mali/Adreno target from its row of ``schedules.opencl.DEVICES``."""
+    if target.kind.name == "opencl":
+        from schedules.opencl import device
+
+        row = device(target)
+        if row is not None:
+            return row.gpu_params()
     attrs = target.attrs
     warp = int(attrs.get("thread_warp_size", 32))
     threads = int(attrs.get("max_num_threads", 256))

@@ -33,28 +33,42 @@ def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     """The analytic schedule; the keyword knobs (defaults from ``gpu.params``) are for tuning.
     Takes the exact fp32 kernel ("qmatmul") and the fp16-activation one ("qmatmul_f16",
     whose decoded run is one CUDA TensorIntrin on CUDA targets)."""
-    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
+    desc = gemv_format(func, target)
+    if desc is None:
         return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    if int(desc["col_block"]) != 1:
-        return None  # the lane-per-chunk walk needs each column's K contiguous
     p = gpu.params(target)
     f16_cols = max(1, p.cols // 2)  # fp16 values take a 32-bit register each: 4 columns spilled on sm_80
     lanes, warps = lanes or p.lanes, warps or p.warps
     cols = cols or (f16_cols if str(desc.get("activations", "fp32")) == "fp16" else p.cols)
     sch = s_tir.Schedule(func)
-    apply_qmatmul_gpu(sch, desc, lanes=lanes, warps=warps, cols=cols, tensorize=target.kind.name == "cuda")
+    from qtvm.intrin import cuda
+
+    apply_qmatmul_gpu(sch, desc, lanes=lanes, warps=warps, cols=cols,
+                      intrinsics=cuda if target.kind.name == "cuda" else None)
     return sch
 
 
-def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols: int, tensorize: bool = False) -> None:
+def gemv_format(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """The format description of a decode kernel this GEMV layout serves (the fp32 "qmatmul"
+    and fp16 "qmatmul_f16" computes, one column per stored block), else None."""
+    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
+        return None
+    desc = func.attrs[ops.FORMAT_ATTR]
+    return desc if int(desc["col_block"]) == 1 else None  # lanes walk each column's contiguous K run
+
+
+def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols: int, intrinsics=None,
+                      x_vector: int = 0) -> None:
+    """``intrinsics``: the module of the target's fp16 unpack TensorIntrins (``qtvm.intrin.cuda``
+    or ``.opencl``; None: the plain decode). ``x_vector``: load each chunk's activations into
+    registers with loads of this many values (0: read where used)."""
     terms = int(desc["terms"])
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     xsum = sch.get_sblock(ops.BLOCK_XSUM)
     parts = [sch.get_sblock(ops.partial_block(t)) for t in range(terms)]
     f16 = str(desc.get("activations", "fp32")) == "fp16"
     if f16:  # each packed run decoded by one intrinsic: blockized first, so the lane split's
-        decode_blocks = _decode_runs(sch, desc, tensorize)  # tail guard lands on the run block
+        decode_blocks = _decode_runs(sch, desc, intrinsics)  # tail guard lands on the run block
 
     # Lanes split the chunk loop; rf[lane, i, j] holds each lane's share of acc. A K of
     # at most ``lanes`` chunks gets one lane per chunk.
@@ -90,13 +104,17 @@ def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols
         xh = sch.get_sblock(ops.BLOCK_XH)
         sch.compute_at(xh, co)
         sch.set_scope(xh, 0, "local")
-        sch.unroll(sch.get_loops(xh)[-1])
+        _vector_or_unroll(sch, xh, desc, x_vector)
         decode, words = decode_blocks
         sch.compute_at(decode, sch.get_loops(parts[0])[-2])
         _cache_weight_words(sch, [decode], co, desc, words)
         sch.unroll(sch.get_loops(decode)[-1])  # each value or run: registers take constant indices only
     else:
         _cache_weight_words(sch, parts, co, desc)
+        if x_vector:
+            xs = sch.cache_read(parts[0], "x", "local", consumer_blocks=[*parts, xsum])
+            sch.compute_at(xs, co)
+            _vector_or_unroll(sch, xs, desc, x_vector)
     sch.unroll(jc)
 
     # Cross-lane sum per column, then y.
@@ -136,25 +154,39 @@ def _cache_weight_words(sch: s_tir.Schedule, parts, co, desc, words=None) -> Non
         sch.unroll(loop)
 
 
-def _tensorized(desc, tensorize: bool) -> bool:
-    from qtvm.intrin import cuda as intrin
+def _vector_or_unroll(sch: s_tir.Schedule, block, desc, width: int) -> None:
+    """The chunk's activations loaded ``width`` at a time where every chunk starts at a
+    multiple of ``width`` inside x (no K padding to read around), else value by value."""
+    chunk = int(desc.get("chunk", desc["group"]))
+    inner = sch.get_loops(block)[-1]
+    if width > 1 and chunk % width == 0 and int(desc["padded_k"]) == int(desc["k"]):
+        outer, vec = sch.split(inner, [None, width])
+        sch.vectorize(vec)
+        sch.unroll(outer)
+    else:
+        sch.unroll(inner)
 
-    return tensorize and int(desc["chunk"]) % intrin.RUNS[str(desc["unpack"])][1] == 0
+
+def _tensorized(desc, intrinsics) -> bool:
+    from qtvm.intrin.runs import RUNS
+
+    return intrinsics is not None and int(desc["chunk"]) % RUNS[str(desc["unpack"])][1] == 0
 
 
-def _decode_runs(sch: s_tir.Schedule, desc, tensorize: bool):
+def _decode_runs(sch: s_tir.Schedule, desc, intrinsics):
     """The fp16 decode stage and its packed words, both in registers; each run decoded by
-    one CUDA TensorIntrin (lop3/prmt/exponent-OR, ``qtvm.intrin.cuda``) where chunks hold
-    whole runs, else (OpenCL) the plain decode. Returns (decode block, words block)."""
-    from qtvm.intrin import cuda as intrin
+    one TensorIntrin of the target (CUDA: lop3/prmt/exponent-OR, ``qtvm.intrin.cuda``;
+    OpenCL: as_half2 magic exponents, ``qtvm.intrin.opencl``) where chunks hold whole runs,
+    else the plain decode. Returns (decode block, words block)."""
+    from qtvm.intrin.runs import RUNS
 
     decode = sch.get_sblock(ops.BLOCK_DECODE)
     words = sch.cache_read(decode, "qweight", "local")
     sch.set_scope(decode, 0, "local")
-    values = intrin.RUNS[str(desc["unpack"])][1]
-    if _tensorized(desc, tensorize):
+    values = RUNS[str(desc["unpack"])][1]
+    if _tensorized(desc, intrinsics):
         _, d_k = sch.get_loops(decode)
         run, run_values = sch.split(d_k, [None, values])
-        sch.tensorize(run_values, intrin.intrin_name(str(desc["unpack"])))
+        sch.tensorize(run_values, intrinsics.intrin_name(str(desc["unpack"])))
         decode = sch.get_sblock(ops.BLOCK_DECODE + "_o")
     return decode, words

@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +47,7 @@ class GpuKnobSpace:
     desc: dict
     knobs: dict      # name -> candidate values (analytic value first)
     analytic: dict
-    tensorize: bool = False  # the fp16 decode's CUDA intrinsics (CUDA targets)
+    gemv_extras: dict = field(default_factory=dict)  # the target's fp16 unpack intrinsics, activation loads
 
     @staticmethod
     def of(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "GpuKnobSpace":
@@ -68,7 +68,7 @@ class GpuKnobSpace:
             raise ValueError(f"no GPU design space for '{kernel}' kernels")
         knobs = {name: (analytic[name], *[v for v in values if v != analytic[name]])
                  for name, values in cands.items()}
-        return GpuKnobSpace(kernel, desc, knobs, analytic, tensorize=target.kind.name == "cuda")
+        return GpuKnobSpace(kernel, desc, knobs, analytic, gemv_extras=_gemv_extras(desc, target))
 
     def apply(self, sch: s_tir.Schedule, decisions: dict | None = None) -> dict:
         """Schedule ``sch`` with sampled knobs (or the given values); returns the values."""
@@ -86,7 +86,7 @@ class GpuKnobSpace:
         if self.kernel == lut_gemv.KERNEL:
             gpu_lut.apply_lut_gemv_gpu(sch, self.desc, **chosen)
         else:
-            gpu_gemv.apply_qmatmul_gpu(sch, self.desc, tensorize=self.tensorize, **chosen)
+            gpu_gemv.apply_qmatmul_gpu(sch, self.desc, **self.gemv_extras, **chosen)
         return chosen
 
     def design_spaces(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
@@ -97,6 +97,17 @@ class GpuKnobSpace:
         sch = s_tir.Schedule(func)
         self.apply(sch, decisions)
         return sch
+
+
+def _gemv_extras(desc, target: tvm.target.Target) -> dict:
+    """The analytic GEMV rule's own additions for the target (CUDA's or OpenCL's intrinsics)."""
+    if target.kind.name == "opencl":
+        from schedules.opencl_gemv import gemv_extras
+
+        return gemv_extras(desc, target)
+    from qtvm.intrin import cuda
+
+    return {"intrinsics": cuda} if target.kind.name == "cuda" else {}
 
 
 def space_generator(space: GpuKnobSpace) -> ms.space_generator.ScheduleFn:

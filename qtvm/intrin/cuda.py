@@ -20,15 +20,12 @@ device code uses) and the device code by ptxas; nothing here runs without a GPU.
 from __future__ import annotations
 
 import numpy as np
-from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-#: kind -> (int32 words per run, values per run, code bits)
-RUNS = {"u4": (1, 8, 4), "u2": (1, 16, 2), "u8": (1, 4, 8), "e0m4": (1, 8, 4), "u3": (3, 32, 3)}
+from qtvm.intrin.runs import F16_ONE, MAGIC_1024, RUNS, register, run_desc, unpack_value  # noqa: F401 (re-exported)
+
 LOP3_AND_OR = 0xEA  # lop3 truth table of (a & b) | c: (0xF0 & 0xCC) | 0xAA
 LOP3_OR_OR = 0xFE   # (a | b) | c
-MAGIC_1024 = 0x6400  # fp16 1024.0: exponent 10, so mantissa bits 0..9 hold an integer exactly
-F16_ONE = 0x3C00
 
 
 def intrin_name(kind: str) -> str:
@@ -37,21 +34,6 @@ def intrin_name(kind: str) -> str:
 
 def helper_name(kind: str) -> str:
     return f"qtvm_unpack_{kind}_f16x{RUNS[kind][1]}"
-
-
-def unpack_value(kind: str, word, j):
-    """fp16 value ``j`` of a run whose int32 word ``r`` is ``word(r)`` (TIR)."""
-    words, values, bits = RUNS[kind]
-    if kind == "u3":
-        from qtvm.formats.uniform import UniformFormat
-
-        code = UniformFormat(3, None)._te_code(word, j)
-        return code.astype("float16")
-    per_word = values // words
-    code = (word(j // per_word) >> ((j % per_word) * bits).astype("int32")) & ((1 << bits) - 1)
-    if kind == "e0m4":  # 1 + code / 16, exact in fp16
-        return (code.astype("float32") * 0.0625 + 1.0).astype("float16")
-    return code.astype("float16")
 
 
 # -- device code -----------------------------------------------------------------------------
@@ -183,17 +165,7 @@ def _make(kind: str):
     words, values, _ = RUNS[kind]
     source = helper_source(kind)
 
-    @T.prim_func(s_tir=True)
-    def desc(w: T.handle, o: T.handle) -> None:
-        W = T.match_buffer(w, (1, words, 1), "int32", offset_factor=1, scope="local")
-        O = T.match_buffer(o, (1, values), "float16", offset_factor=1, scope="local")
-        with T.sblock("root"):
-            T.reads(W[0, 0:words, 0])
-            T.writes(O[0, 0:values])
-            for j in range(values):
-                with T.sblock("unpack"):
-                    vj = T.axis.spatial(values, j)
-                    O[0, vj] = unpack_value(kind, lambda r: W[0, r, 0], vj)
+    desc = run_desc(kind)
 
     @T.prim_func(s_tir=True)
     def impl(w: T.handle, o: T.handle) -> None:
@@ -207,12 +179,4 @@ def _make(kind: str):
     return desc, impl
 
 
-def register_all() -> None:
-    for kind in RUNS:
-        try:
-            s_tir.TensorIntrin.get(intrin_name(kind))
-        except Exception:  # not registered yet
-            s_tir.TensorIntrin.register(intrin_name(kind), *_make(kind))
-
-
-register_all()
+register(intrin_name, _make, RUNS)

@@ -16,7 +16,8 @@ through local memory, and not for CUDA-only intrinsics such as inline PTX).
 
 fp16: CPU OpenCL devices here lack cl_khr_fp16; ``half_as_float=True`` builds the kernel
 with ``half`` spelled ``float`` and passes float16 arrays as float32 (this checks
-indexing and reductions, not fp16 rounding; kernels that reinterpret half bits refuse).
+indexing and reductions, not fp16 rounding); ``as_halfN`` (the OpenCL unpack intrinsics)
+is emulated bit-exactly with ``vload_halfN``, other reinterpretations of half bits refuse.
 """
 from __future__ import annotations
 
@@ -203,11 +204,14 @@ _BINARY = {
     "Min": min, "Max": max, "EQ": lambda a, b: a == b, "NE": lambda a, b: a != b,
     "LT": lambda a, b: a < b, "LE": lambda a, b: a <= b, "GT": lambda a, b: a > b, "GE": lambda a, b: a >= b,
     "And": lambda a, b: a and b, "Or": lambda a, b: a or b,
+    "RShift": lambda a, b: a >> b, "LShift": lambda a, b: a << b, "BitwiseAnd": lambda a, b: a & b,
+    "BitwiseOr": lambda a, b: a | b,
 }
 
 
-def _evaluate(expr, env) -> int:
-    """An integer host expression (launch extents, workspace sizes) for the bound dims."""
+def _evaluate(expr, env, load=None) -> int:
+    """An integer host expression (launch extents, workspace sizes) for the bound dims;
+    ``load(name, index)`` reads an array element where one is needed (``qtvm.testing.traffic``)."""
     if isinstance(expr, (int, np.integer)):
         return int(expr)
     kind = type(expr).__name__
@@ -218,13 +222,18 @@ def _evaluate(expr, env) -> int:
             raise QtvmError(f"the host expression needs '{expr.name}', which no array or scalar binds")
         return int(env[expr])
     if kind in _BINARY:
-        return int(_BINARY[kind](_evaluate(expr.a, env), _evaluate(expr.b, env)))
+        return int(_BINARY[kind](_evaluate(expr.a, env, load), _evaluate(expr.b, env, load)))
     if kind == "Cast":
-        return _evaluate(expr.value, env)
+        return _evaluate(expr.value, env, load)
     if kind == "Not":
-        return int(not _evaluate(expr.a, env))
+        return int(not _evaluate(expr.a, env, load))
     if kind == "Select":
-        return _evaluate(expr.true_value if _evaluate(expr.condition, env) else expr.false_value, env)
+        return _evaluate(expr.true_value if _evaluate(expr.condition, env, load) else expr.false_value, env, load)
+    if getattr(getattr(expr, "op", None), "name", "") == "tirx.if_then_else":
+        return _evaluate(expr.args[1] if _evaluate(expr.args[0], env, load) else expr.args[2], env, load)
+    if load is not None and kind in ("BufferLoad", "TensorLoad"):  # 0.27 names a buffer load TensorLoad
+        return int(load((expr.buffer if hasattr(expr, "buffer") else expr.source).name,
+                        _evaluate(expr.indices[-1], env, load)))
     raise QtvmError(f"the OpenCL harness cannot evaluate the host expression {expr}")
 
 
@@ -262,7 +271,9 @@ def lower(func: tirx.PrimFunc | tvm.IRModule, target: Target | None = None):
         target = target.with_host(Target({"kind": "llvm"}))
     mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     mod = tirx.transform.BindTarget(target)(mod)
-    pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+    # tvm.compile's own default ("default" is the s_tir pipeline for every target; 0.27's
+    # get_default_tir_pipeline would pick an Adreno texture pipeline of another shape)
+    pipeline, _, finalize_device = tvm.tirx.get_tir_pipeline("default")
     captured = {}
 
     @tvm.instrument.pass_instrument
@@ -299,10 +310,27 @@ def _param_dtype(var) -> str:
     return "handle" if isinstance(var.ty, tvm.ir.PointerType) else str(var.ty.dtype)
 
 
+#: half as float: OpenCL's ``as_halfN`` (bits -> halves, the unpack intrinsics of
+#: ``qtvm.intrin.opencl``) read through ``vload_halfN``, which returns floats and needs no
+#: cl_khr_fp16, so the decode's bit patterns are checked exactly.
+_AS_HALF = """inline float qtvm_as_half(ushort u) { return vload_half(0, (const __private half*)&u); }
+inline float2 qtvm_as_half2(uint u) { return vload_half2(0, (const __private half*)&u); }
+inline float4 qtvm_as_half4(uint2 u) { return vload_half4(0, (const __private half*)&u); }
+inline float8 qtvm_as_half8(uint4 u) { return vload_half8(0, (const __private half*)&u); }
+"""
+
+
 def _half_as_float(source: str) -> str:
-    if re.search(r"\bas_half\d*\b|\bas_ushort\d*\b|vload_half|vstore_half", source):
+    """fp16 kernels for a device without cl_khr_fp16: every half spelled float (no fp16
+    rounding), ``as_halfN`` emulated bit-exactly; a kernel that reinterprets half bits any
+    other way (pointer casts, as_ushort) is refused."""
+    if re.search(r"\bas_ushort\d*\b|vload_half|vstore_half|\(half\d* ?\*\)", source):
         raise QtvmError("this kernel reinterprets fp16 bits; it cannot be checked with half rewritten to float")
     source = re.sub(r"#ifdef cl_khr_fp16\n.*?#endif\n", "", source, flags=re.S)  # TVM's fp16 guard
     source = re.sub(r"#pragma OPENCL EXTENSION cl_khr_fp16 : enable\n?", "", source)
     source = re.sub(r"\bconvert_half(\d*)", r"convert_float\1", source)
-    return re.sub(r"\bhalf(\d*)\b", r"float\1", source)
+    emulated = re.search(r"\bas_half\d*\(", source) is not None
+    source = re.sub(r"\bas_half(\d*)\(", r"qtvm_as_half\1(", source)
+    source = re.sub(r"\bhalf(\d*)\b", r"float\1", source)
+    return _AS_HALF + source if emulated else source
+

@@ -47,8 +47,9 @@ def test_systematic_names_are_registered():
         s_tir.TensorIntrin.get(intrin.intrin_name(kind))
 
 
-def unpack_kernel(kind: str, n: int = 64, runs: int = 4, tensorize: bool = True):
-    """O[n, runs * values] = decode(W[n, runs * words]): one thread per column."""
+def unpack_kernel(kind: str, n: int = 64, runs: int = 4, tensorize: bool = True, intrinsics=intrin):
+    """O[n, runs * values] = decode(W[n, runs * words]): one thread per column; each run
+    tensorized with the unpack intrinsic of ``intrinsics`` (``qtvm.intrin.cuda`` or ``.opencl``)."""
     words, values, _ = intrin.RUNS[kind]
     w = te.placeholder((n, runs * words, 1), "int32", name="W")  # column-blocked, one column a block
     o = te.compute((n, runs * values),
@@ -64,7 +65,7 @@ def unpack_kernel(kind: str, n: int = 64, runs: int = 4, tensorize: bool = True)
     sch.compute_at(sch.cache_read(block, 0, "local"), run)
     sch.reverse_compute_at(sch.cache_write(block, 0, "local"), run)
     if tensorize:
-        sch.tensorize(value, intrin.intrin_name(kind))
+        sch.tensorize(value, intrinsics.intrin_name(kind))
     return sch.mod["main"]
 
 

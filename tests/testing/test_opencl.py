@@ -58,5 +58,12 @@ def test_bad_arguments_are_named():
 
 
 def test_reinterpreting_half_bits_refuses():
-    with pytest.raises(QtvmError, match="reinterprets fp16 bits"):
-        opencl._half_as_float("half x = as_half(y);")
+    for source in ("ushort x = as_ushort(h);", "half2 v = (*(half2 *)(&(w)));"):
+        with pytest.raises(QtvmError, match="reinterprets fp16 bits"):
+            opencl._half_as_float(source)
+
+
+def test_as_half_is_emulated_bit_exactly():
+    """``as_half2`` (the OpenCL unpack intrinsics) becomes a vload_half2 of the same bits."""
+    source = opencl._half_as_float("half2 v = as_half2(w);")
+    assert "float2 v = qtvm_as_half2(w);" in source and "vload_half2" in source
