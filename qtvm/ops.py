@@ -86,6 +86,19 @@ def decode_term_count(fmt: QuantFormat, at_column) -> int:
     return len(fmt.te_decode_terms(at_column(zero), zero))
 
 
+def _chunked_inputs(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None):
+    """What both chunked GEMV computes start from: the symbolic row count, K split in chunks
+    that divide the group, x and the blocked weight arrays."""
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ch = gs if chunk is None else int(chunk)
+    if ch < 1 or gs % ch:
+        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
+    x = te.placeholder((m, k), "float32", name="x")
+    stored, at_column = weight_inputs(fmt, k, n, nb)
+    return m, kp, gs, ch, (kp // ch, -(-n // nb), gs // ch), x, stored, at_column
+
+
 def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = None) -> tvm.tirx.PrimFunc:
     """PrimFunc(x[m, k], *blocked weight arrays, y[m, n]) with its format attached.
 
@@ -94,14 +107,7 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = 
     so with chunks smaller than the group a GPU lane reduces its own chunk and applies the
     group's coefficients itself, and lanes split K without a reduction per group.
     """
-    m = te.var("m", "int64")
-    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
-    ch = gs if chunk is None else int(chunk)
-    if ch < 1 or gs % ch:
-        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
-    nchunks, nblk, per_group = kp // ch, -(-n // nb), gs // ch
-    x = te.placeholder((m, k), "float32", name="x")
-    stored, at_column = weight_inputs(fmt, k, n, nb)
+    m, kp, gs, ch, (nchunks, nblk, per_group), x, stored, at_column = _chunked_inputs(fmt, k, n, nb, chunk)
     xk = padded_reader(x, k, kp)
 
     num_terms = decode_term_count(fmt, at_column)
@@ -171,14 +177,7 @@ def qmatmul_f16_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | Non
     if kind is None:
         raise ValueError(f"{fmt.name} has no fp16 decode")
     words, values, _ = RUNS[kind]
-    m = te.var("m", "int64")
-    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
-    ch = gs if chunk is None else int(chunk)
-    if ch < 1 or gs % ch:
-        raise ValueError(f"chunk {ch} does not divide the group size {gs}")
-    nchunks, nblk, per_group = kp // ch, -(-n // nb), gs // ch
-    x = te.placeholder((m, k), "float32", name="x")
-    stored, at_column = weight_inputs(fmt, k, n, nb)
+    m, kp, gs, ch, (nchunks, nblk, per_group), x, stored, at_column = _chunked_inputs(fmt, k, n, nb, chunk)
     qweight = stored["qweight"]
     xk = padded_reader(x, k, kp)
     xh = te.compute((m, kp), lambda i, kk: xk(i, kk).astype("float16"), name=BLOCK_XH)

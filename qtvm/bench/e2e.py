@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qtvm.models.hf_cache import flat_cache_module
+
 DEFAULT = {"hidden": 2048, "layers": 8, "intermediate": 5632, "vocab": 32000, "heads": 32, "kv_heads": 4}
 ENGINES = ("qtvm-int4", "qtvm-int4-a8", "ort-fp32", "ort-int4")
 LABELS = {"qtvm-int4": "qtvm int4-g128", "qtvm-int4-a8": "qtvm int4-g128 --act int8", "ort-fp32": "ort fp32",
@@ -91,19 +93,6 @@ def export_model(cfg: dict, path: Path) -> Path:
     model = tf.LlamaForCausalLM(config).eval()
     layers, heads, dim = cfg["layers"], cfg["kv_heads"], cfg["hidden"] // cfg["heads"]
 
-    class WithCache(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask, *past):
-            cache = tf.DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(layers)])
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-            flat = []
-            for layer in out.past_key_values.layers:
-                flat += [layer.keys, layer.values]
-            return (out.logits, *flat)
-
     past = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     present = [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     args = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 7, dtype=torch.long),
@@ -114,7 +103,7 @@ def export_model(cfg: dict, path: Path) -> Path:
     def write(tmp):
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(WithCache(), args, str(tmp), dynamo=False, opset_version=17,
+            torch.onnx.export(flat_cache_module(model, layers), args, str(tmp), dynamo=False, opset_version=17,
                               input_names=["input_ids", "attention_mask", *past],
                               output_names=["logits", *present], dynamic_axes=axes)
     return _atomic(path, write)

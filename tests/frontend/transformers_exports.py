@@ -19,6 +19,8 @@ import warnings
 
 import numpy as np
 
+from qtvm.models.hf_cache import flat_cache_module
+
 FAMILIES = ("llama", "qwen2", "gpt2", "bert")
 EXPORTERS = ("legacy", "dynamo")
 VOCAB = 256
@@ -56,7 +58,6 @@ def is_decoder(family: str) -> bool:
 
 def _wrapper(model, family: str, kv: bool, layers: int, mask: bool = True):
     import torch
-    import transformers as tf
 
     class Plain(torch.nn.Module):
         def __init__(self):
@@ -68,26 +69,11 @@ def _wrapper(model, family: str, kv: bool, layers: int, mask: bool = True):
                 return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    class WithCache(torch.nn.Module):
-        """Flat past tensors in, flat present tensors out (how optimum exports a cache)."""
-
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask, *past):
-            cache = tf.DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(layers)])
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-            flat = []
-            for layer in out.past_key_values.layers:
-                flat += [layer.keys, layer.values]
-            return (out.logits, *flat)
-
     class IdsOnly(Plain):
         def forward(self, input_ids):
             return super().forward(input_ids)
 
-    return WithCache() if kv else Plain() if mask else IdsOnly()
+    return flat_cache_module(model, layers) if kv else Plain() if mask else IdsOnly()
 
 
 def kv_shape(model) -> tuple[int, int, int]:
