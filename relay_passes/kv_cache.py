@@ -42,7 +42,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
-from qtvm.frontend.importer import OPAQUE, VALUES_ATTR, ZERO_ATTR
+from qtvm.frontend.importer import VALUES_ATTR, ZERO_ATTR, expr_symbols, shape_values_func
 
 STEP_FUNC = "qtvm_kv_step"
 BLOCKS = "kv_blocks"  # the step's length in 64-token blocks: keys the attention sees = 64 * kv_blocks
@@ -306,8 +306,6 @@ class _Builder:
     def _values(self, call):
         """A shape-values call (the importer's tensors of symbol expressions), recomputed
         from the substituted expressions."""
-        from tvm import te
-
         func = self.mod[call.args[0]]
         args = list(call.args[1].fields)
         scalars = list(func.params[:len(args)])
@@ -315,18 +313,9 @@ class _Builder:
             raise Decline("a shape-values function called with other than its own symbols")
         exprs = [self.sub(e) for e in func.attrs[VALUES_ATTR]]
         key = tuple(str(e) for e in exprs)
-        symbols = sorted({v.name: v for e in exprs for v in _symbols(e)}.items())
-        symbols = [v for _, v in symbols]
+        symbols = expr_symbols(exprs)
         if key not in self.values_funcs:
-            def element(i):
-                out = exprs[-1]
-                for j in range(len(exprs) - 2, -1, -1):
-                    out = tirx.Select(i == j, exprs[j], out)
-                return out
-            values = te.compute((len(exprs),), element, name="values")
-            prim = te.create_prim_func([*symbols, values]).without_attr("global_symbol").with_attrs(
-                {"op_pattern": OPAQUE, "tir.is_scheduled": True, VALUES_ATTR: exprs})
-            self.values_funcs[key] = self.bb.add_func(prim, "qtvm_kv_values")
+            self.values_funcs[key] = self.bb.add_func(shape_values_func(exprs, symbols), "qtvm_kv_values")
         return relax.call_tir(self.values_funcs[key], relax.Tuple(symbols), relax.TensorType([len(exprs)], "int64"))
 
     # -- structure -----------------------------------------------------------------------

@@ -42,6 +42,29 @@ class ImportFailure(Exception):
         self.problem, self.fix = problem, fix
 
 
+def expr_symbols(exprs) -> list:
+    """The dimension symbols ``exprs`` use, sorted by name (the scalar parameters of
+    :func:`shape_values_func`)."""
+    found = {v.name: v for e in exprs if tvm.ir.is_prim_expr(e) for v in tirx.analysis.undefined_vars(e)}
+    return [v for _, v in sorted(found.items())]
+
+
+def shape_values_func(exprs: list, symbols: list) -> tirx.PrimFunc:
+    """PrimFunc(*symbols, values[len(exprs)]) writing ``exprs``: opaque to fusion, marked
+    scheduled, carrying ``exprs`` (VALUES_ATTR) so later passes can rebuild it; no global_symbol."""
+    from tvm import te
+
+    def element(i):
+        out = exprs[-1]
+        for j in range(len(exprs) - 2, -1, -1):
+            out = tirx.Select(i == j, exprs[j], out)
+        return out
+
+    values = te.compute((len(exprs),), element, name="values")
+    return te.create_prim_func([*symbols, values]).without_attr("global_symbol").with_attrs(
+        {"op_pattern": OPAQUE, "tir.is_scheduled": True, VALUES_ATTR: exprs})
+
+
 class Importer(ONNXGraphImporter):
     """TVM's importer state (``bb``, ``_nodes``, ``_convert_operator``) with qtvm's node loop."""
 
@@ -263,21 +286,11 @@ class Importer(ONNXGraphImporter):
         PrimFunc of its own that takes the symbols as scalars. Not ``shape_to_tensor``: that
         one, fused with its neighbours by the CPU fusion passes, makes FuseTIR define a
         symbol twice (TVM 0.27); this function is opaque to fusion."""
-        from tvm import te
-
-        symbols = sorted({v.name: v for e in exprs for v in tirx.analysis.undefined_vars(e)}.items())
-        symbols = [v for _, v in symbols]
+        symbols = expr_symbols(exprs)
         key = tuple(str(e) for e in exprs)
         if key not in self._value_funcs:
-            def element(i):
-                out = exprs[-1]
-                for j in range(len(exprs) - 2, -1, -1):
-                    out = tirx.Select(i == j, exprs[j], out)
-                return out
-            values = te.compute((len(exprs),), element, name="values")
             name = f"qtvm_shape_values{len(self._value_funcs)}"
-            func = te.create_prim_func([*symbols, values]).with_attrs(
-                {"op_pattern": OPAQUE, "tir.is_scheduled": True, "global_symbol": name, VALUES_ATTR: exprs})
+            func = shape_values_func(exprs, symbols).with_attr("global_symbol", name)
             self._value_funcs[key] = self.bb.add_func(func, name)
         return relax.call_tir(self._value_funcs[key], relax.Tuple([relax.prim_value(v) for v in symbols]),
                               relax.TensorType([len(exprs)], "int64"))
