@@ -76,7 +76,7 @@ typedef struct {
     int streams;
     pthread_barrier_t *barrier;
     uint64_t sum;
-    struct timespec t_end;
+    struct timespec t_start, t_end;
 } qtvm_job;
 
 /* Integer adds: 1-cycle latency, and exact (a float sum of many equal values
@@ -150,6 +150,7 @@ static uint64_t read_slice(const int32_t *base, size_t n_lines, int streams) {
 static void *worker(void *arg) {
     qtvm_job *job = (qtvm_job *)arg;
     pthread_barrier_wait(job->barrier);
+    clock_gettime(CLOCK_MONOTONIC, &job->t_start);
     job->sum = read_slice(job->base, job->n_lines, job->streams);
     clock_gettime(CLOCK_MONOTONIC, &job->t_end);
     return NULL;
@@ -160,8 +161,11 @@ static double ts_sec(const struct timespec *t) {
 }
 
 /* One timed pass over buf (64-byte aligned, n_lines cache lines) with
-   `threads` threads. Returns seconds from the common start to the last
-   thread's finish; *checksum receives the int32 sum (keeps the reads alive).
+   `threads` threads. Returns seconds from the first thread's start to the last
+   thread's finish, each read by the worker itself: the calling thread only
+   waits, so on a machine with as many cores as threads it cannot be scheduled
+   late and shorten the interval (it did, inflating 2-thread figures on a
+   2-vCPU VM). *checksum receives the int32 sum (keeps the reads alive).
    Returns a negative value on error. */
 double qtvm_read_pass(const int32_t *buf, size_t n_lines, int threads, int streams,
                       uint64_t *checksum) {
@@ -169,7 +173,7 @@ double qtvm_read_pass(const int32_t *buf, size_t n_lines, int threads, int strea
     qtvm_job jobs[1024];
     pthread_t tids[1024];
     pthread_barrier_t barrier;
-    if (pthread_barrier_init(&barrier, NULL, (unsigned)threads + 1) != 0) return -2.0;
+    if (pthread_barrier_init(&barrier, NULL, (unsigned)threads) != 0) return -2.0;
     size_t per = n_lines / (size_t)threads;
     for (int t = 0; t < threads; ++t) {
         jobs[t].base = buf + (size_t)t * per * FLOATS_PER_LINE;
@@ -182,20 +186,18 @@ double qtvm_read_pass(const int32_t *buf, size_t n_lines, int threads, int strea
             return -3.0;
         }
     }
-    struct timespec t0;
-    pthread_barrier_wait(&barrier);
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    double last = ts_sec(&t0);
+    double first = 0.0, last = 0.0;
     uint64_t total = 0;
     for (int t = 0; t < threads; ++t) {
         pthread_join(tids[t], NULL);
-        double e = ts_sec(&jobs[t].t_end);
-        if (e > last) last = e;
+        double s = ts_sec(&jobs[t].t_start), e = ts_sec(&jobs[t].t_end);
+        if (t == 0 || s < first) first = s;
+        if (t == 0 || e > last) last = e;
         total += jobs[t].sum;
     }
     pthread_barrier_destroy(&barrier);
     *checksum = total;
-    return last - ts_sec(&t0);
+    return last - first;
 }
 """
 
