@@ -21,6 +21,7 @@ import numpy as np
 
 from qtvm import dims as dimexpr
 from qtvm.errors import QtvmError
+from qtvm.hugepages import NewMemoryOnHugePages
 from qtvm.hostinfo import host_cpu_flags
 from qtvm.quiet import tvm_output_captured
 
@@ -62,9 +63,11 @@ class Module:
         path = Path(path)
         if not path.is_file():
             raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
-        with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
-            lib = _load_library(path)
-        self._vm = VirtualMachine(lib, tvm.cpu())
+        with NewMemoryOnHugePages() as weights:  # the constants TVM allocates while loading
+            with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
+                lib = _load_library(path)
+            self._vm = VirtualMachine(lib, tvm.cpu())
+        self.huge_page_bytes = weights.collapsed  # see qtvm.hugepages (QTVM_HUGEPAGES=0: off)
         try:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
         except Exception:

@@ -309,10 +309,12 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(cfg: dict, cache_dir: Path, engines=ENGINES, threads=(1, 2), prompt: int = 128, decode: int = 64,
-        rounds: int = 3, json_path: Path | None = None) -> list[dict]:
+        rounds: int = 3, json_path: Path | None = None, huge_pages: bool = True) -> list[dict]:
     from qtvm.bench import harness
 
-    print(f"{harness.cpu_model()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}", flush=True)
+    pages = harness.pages_meta(huge_pages)
+    print(f"{harness.cpu_model()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; weights on "
+          f"{pages['weights_on']} (THP mode {pages['thp_mode']})", flush=True)
     print(f"model: LLaMA hidden {cfg['hidden']}, {cfg['layers']} layers, intermediate {cfg['intermediate']}, "
           f"vocab {cfg['vocab']}, heads {cfg['heads']} ({cfg['kv_heads']} KV); prompt {prompt}, decode {decode}, "
           f"{rounds} rounds", flush=True)
@@ -321,7 +323,7 @@ def run(cfg: dict, cache_dir: Path, engines=ENGINES, threads=(1, 2), prompt: int
     for t in threads:
         out = harness.run_in_subprocess("qtvm.bench.e2e:child", {
             "files": {k: str(v) for k, v in files.items()}, "threads": t, "prompt": prompt, "decode": decode,
-            "rounds": rounds}, harness.thread_env(t))
+            "rounds": rounds}, harness.thread_env(t, huge_pages))
         rows += out["results"]
     rows.sort(key=lambda r: (r["threads"], ENGINES.index(r["engine"])))
     add_speedups(rows)
@@ -332,7 +334,7 @@ def run(cfg: dict, cache_dir: Path, engines=ENGINES, threads=(1, 2), prompt: int
         harness.write_json(rows, json_path, {
             "benchmark": "e2e", "model": {**cfg, "family": "LlamaForCausalLM (random weights)",
                                           "onnx_bytes": onnx_path.stat().st_size},
-            "prompt": prompt, "decode": decode, "rounds": rounds, "threads": list(threads),
+            "prompt": prompt, "decode": decode, "rounds": rounds, "threads": list(threads), "pages": pages,
             "timing": "median over rounds of one generation per engine per round, engines interleaved; "
                       "each thread count in a fresh process; onnxruntime with IO binding, no spinning",
             "files": {k: str(v) for k, v in files.items()}})
@@ -353,6 +355,9 @@ def add_e2e_parser(bsub) -> None:
     p.add_argument("--cache-dir", type=Path, default=Path("out/e2e_cache"),
                    help="exports, quantized models and artefacts, reused by later runs")
     p.add_argument("--json", type=Path, default=Path("out/bench_e2e.json"))
+    from qtvm.bench.gemv import add_pages_argument
+
+    add_pages_argument(p)
     p.set_defaults(fn=e2e_command)
 
 
@@ -382,5 +387,6 @@ def e2e_command(args) -> int:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise QtvmError(f"cannot create directory {path}: {e.strerror}") from None
-    run(cfg, args.cache_dir, engines, args.threads, args.prompt, args.decode, args.rounds, args.json)
+    run(cfg, args.cache_dir, engines, args.threads, args.prompt, args.decode, args.rounds, args.json,
+        huge_pages=args.pages == "huge")
     return 0

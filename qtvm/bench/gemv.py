@@ -60,7 +60,7 @@ class QtvmGemv(peer_lib.Peer):
             _shared = (qt, arrays, kernels, scratch, activations)
         self._shared = _shared
         qt, arrays, _, _, _ = _shared
-        self._weights = [tvm.runtime.tensor(a.copy()) for a in arrays]
+        self._weights = _weights_like_the_runtime(arrays)
         self.weight_bytes = int(sum(a.nbytes for a in arrays))
         self._x = tvm.runtime.tensor(np.zeros((1, self.K), np.float32))
         self._y = tvm.runtime.tensor(np.zeros((1, self.N), np.float32))
@@ -86,8 +86,19 @@ class QtvmGemv(peer_lib.Peer):
     def copy(self) -> "QtvmGemv":
         twin = QtvmGemv.__new__(QtvmGemv)
         twin.__dict__.update(self.__dict__)
-        twin._weights = [self._tensor(a.numpy().copy()) for a in self._weights]
+        twin._weights = _weights_like_the_runtime([a.numpy() for a in self._weights])
         return twin
+
+
+def _weights_like_the_runtime(arrays) -> list:
+    """Device copies of ``arrays`` on the pages a loaded artefact's weights get
+    (``qtvm.runtime``: huge pages unless QTVM_HUGEPAGES=0)."""
+    import tvm
+
+    from qtvm.hugepages import NewMemoryOnHugePages
+
+    with NewMemoryOnHugePages():
+        return [tvm.runtime.tensor(np.ascontiguousarray(a).copy()) for a in arrays]
 
 
 def register(formats, activations=("fp32",), target: str = "host") -> list[str]:
@@ -125,14 +136,17 @@ def benchmark_child(shapes, threads: int, formats, activations, peers, rounds: i
 
 
 def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activations=("fp32", "int8"),
-        peers=PEERS, rounds: int = 3, json_path: Path | None = None, target: str = "host") -> list:
+        peers=PEERS, rounds: int = 3, json_path: Path | None = None, target: str = "host",
+        huge_pages: bool = True) -> list:
     from qtvm.bench import bandwidth, harness
     from qtvm.formats import get_format
 
     for preset in formats:
         get_format(preset)  # unknown presets fail before any measuring
+    pages = harness.pages_meta(huge_pages)
     print(f"{harness.cpu_model()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
-          f"{100 * harness.cpu_busy_fraction(1.0):.0f}%", flush=True)
+          f"{100 * harness.cpu_busy_fraction(1.0):.0f}%; weights of every kernel on {pages['weights_on']} "
+          f"(THP mode {pages['thp_mode']})", flush=True)
     probe = bandwidth.BandwidthProbe()
     bw = {}
     for t in threads:
@@ -150,7 +164,7 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
         out = harness.run_in_subprocess("qtvm.bench.gemv:benchmark_child", {
             "shapes": [list(s) for s in shapes], "threads": t, "formats": list(formats),
             "activations": list(activations), "peers": list(peers), "rounds": rounds, "reference_bw": bw[t],
-            "target": target}, harness.thread_env(t))
+            "target": target}, harness.thread_env(t, huge_pages))
         results += [harness.BenchResult.from_dict(d).with_bandwidth(bw[t]) for d in out["results"]]
         runs.update(1)
     runs.close()
@@ -160,7 +174,7 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
     print("hot_gbps: the same call repeated on one copy (weights cache-resident), 10th percentile: the "
           "kernel's compute ceiling next to the DRAM-cold GB/s")
     if json_path is not None:
-        harness.write_json(results, json_path, harness.machine_meta(bw))
+        harness.write_json(results, json_path, {**harness.machine_meta(bw), "pages": pages})
         print(f"\nwrote {json_path}")
     return results
 
@@ -180,8 +194,16 @@ def add_bench_parser(subparsers):
     g.add_argument("--target", default="host", help="host, an llvm target, or cuda (-arch=sm_XX optional: the "
                                                       "device's): GPU kernels vs HBM bandwidth and torch fp16")
     g.add_argument("--json", type=Path, default=Path("out/bench_gemv.json"))
+    add_pages_argument(g)
     g.set_defaults(fn=bench_command)
     return bsub
+
+
+def add_pages_argument(parser) -> None:
+    parser.add_argument("--pages", choices=("huge", "default"), default="huge",
+                        help="weights of every kernel (qtvm and peers) on transparent huge pages (default: what "
+                             "qtvm's runtime does, and the peers' documented switches), or each allocator's "
+                             "default (4 KiB pages where THP is 'madvise')")
 
 
 def _parse_shape(text: str) -> tuple[int, int]:
@@ -222,7 +244,7 @@ def bench_command(args) -> int:
         raise QtvmError(f"unknown peers: {', '.join(unknown)}", f"choose from {', '.join(PEERS)}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     run(shapes, args.threads, [f for f in args.formats.split(",") if f], acts, peers, args.rounds, args.json,
-        args.target)
+        args.target, huge_pages=args.pages == "huge")
     return 0
 
 

@@ -182,3 +182,40 @@ def test_wait_for_quiet_returns_quickly_when_allowed_no_wait():
     assert math.isnan(busy) or 0.0 <= busy <= 1.0
     busy, waited = harness.wait_for_quiet(5.0, threshold=1.0, interval=0.05)  # always quiet enough
     assert waited < 1.0
+
+
+def _child_tensor_pages():
+    import numpy as np
+    import tvm
+
+    from qtvm import hugepages
+
+    t = tvm.runtime.tensor(np.ones(16 << 20, np.int32))  # 64 MiB: malloc maps it
+    addr = np.from_dlpack(t).ctypes.data
+    mapping = [r for r in hugepages.anonymous_ranges() if r[0] <= addr < r[1]]
+    return {"huge": hugepages.huge_bytes(mapping)}
+
+
+def _glibc_has_hugetlb_tunable() -> bool:
+    name, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")
+    return name == "glibc" and tuple(int(v) for v in version.split(".")[:2]) >= (2, 35)
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_thread_env_puts_malloced_weights_on_the_pages_it_says(huge):
+    """A TVM tensor (glibc malloc, as onnxruntime's weights) in a bench child: on huge pages
+    with ``huge_pages``, on 4 KiB pages without, where the system's THP mode is 'madvise'."""
+    from qtvm.hugepages import thp_mode
+
+    env = harness.thread_env(1, huge_pages=huge)
+    assert env["QTVM_HUGEPAGES"] == ("1" if huge else "0")
+    assert ("glibc.malloc.hugetlb=1" in env.get("GLIBC_TUNABLES", "")) == huge
+    res = harness.run_in_subprocess("tests.bench.test_harness:_child_tensor_pages", {}, env,
+                                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                                    stream_stderr=False)
+    mode = thp_mode()
+    if huge and mode in ("madvise", "always") and _glibc_has_hugetlb_tunable():
+        assert res["huge"] >= 32 << 20
+    elif not huge and mode in ("madvise", "never"):
+        assert res["huge"] == 0
+    assert harness.pages_meta(huge)["thp_mode"] == mode
