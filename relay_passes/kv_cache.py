@@ -80,38 +80,25 @@ def capacity(max_length: int) -> int:
     return -(-max_length // PAD) * PAD
 
 
-def write_func(heads, dim, dtype: str) -> tirx.PrimFunc:
-    """``cache[b, h, past + s, d] = new[b, h, s, d]`` in place (the cache is argument 0)."""
+def write_func(heads, dim, dtype: str, transposed: bool = False) -> tirx.PrimFunc:
+    """``cache[b, h, past + s, d] = new[b, h, s, d]`` in place (the cache is argument 0);
+    ``transposed``: ``cache_t[b, h, d, past + s]``, keys kept transposed."""
 
     @T.prim_func(private=True, s_tir=True)
     def write(var_cache: T.handle, var_new: T.handle, past: T.int64):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})
         b, n, s = T.int64(), T.int64(), T.int64()
-        cache = T.match_buffer(var_cache, (b, heads, n, dim), dtype)
+        cache = T.match_buffer(var_cache, (b, heads, dim, n) if transposed else (b, heads, n, dim), dtype)
         new = T.match_buffer(var_new, (b, heads, s, dim), dtype)
         for i0, i1, i2, i3 in T.grid(b, heads, s, dim):
             with T.sblock("write"):
                 v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
-                cache[v0, v1, past + v2, v3] = new[v0, v1, v2, v3]
+                if transposed:
+                    cache[v0, v1, v3, past + v2] = new[v0, v1, v2, v3]
+                else:
+                    cache[v0, v1, past + v2, v3] = new[v0, v1, v2, v3]
 
     return write
-
-
-def write_t_func(heads, dim, dtype: str) -> tirx.PrimFunc:
-    """``cache_t[b, h, d, past + s] = new[b, h, s, d]`` in place: keys kept transposed."""
-
-    @T.prim_func(private=True, s_tir=True)
-    def write_t(var_cache: T.handle, var_new: T.handle, past: T.int64):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})
-        b, n, s = T.int64(), T.int64(), T.int64()
-        cache = T.match_buffer(var_cache, (b, heads, dim, n), dtype)
-        new = T.match_buffer(var_new, (b, heads, s, dim), dtype)
-        for i0, i1, i2, i3 in T.grid(b, heads, s, dim):
-            with T.sblock("write"):
-                v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
-                cache[v0, v1, v3, past + v2] = new[v0, v1, v2, v3]
-
-    return write_t
 
 
 def _shape(ty):
@@ -472,8 +459,7 @@ class _Builder:
         heads, dim = (int(shape[1]), int(shape[2])) if transposed else (int(shape[1]), int(shape[3]))
         key = (heads, dim, cache.ty.dtype, transposed)
         if key not in writes:
-            make = write_t_func if transposed else write_func
-            writes[key] = bb.add_func(make(*key[:3]), "qtvm_kv_write")
+            writes[key] = bb.add_func(write_func(*key), "qtvm_kv_write")
         return bb.emit(relax.call_tir_inplace(writes[key], relax.Tuple([cache, new, self.new_past]), 0, cache.ty))
 
     def _grouped_matmul(self, bb, var, append, plan):

@@ -25,7 +25,7 @@ from tvm import s_tir
 
 from qtvm import ops
 from qtvm.ops_dense import BLOCK_W, BLOCK_XPAD, KERNEL_NAME
-from schedules.x86_gemm import gemm_tiles
+from schedules.x86_gemm import gemm_tiles, register_tiles, store_slices
 
 __all__ = ["schedule_dense_x86", "MIN_WEIGHTS", "PARALLEL_MIN_WEIGHTS"]
 
@@ -63,35 +63,6 @@ def schedule_dense_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_
     (unpad,) = sch.get_consumers(acc)
     sch.compute_inline(unpad)
 
-    _, _, k = sch.get_loops(acc)
-    ko, _ = sch.split(k, [None, tiles.depth])
-    reg = sch.rfactor(ko, 0)
-    i, j, ko = sch.get_loops(acc)
-    io, ii = sch.split(i, [None, tiles.rows])
-    jo, jm, ji = sch.split(j, [None, nb // tiles.cols, tiles.cols])
-    sch.reorder(jo, jm, ko, io, ii, ji)
-    slice_loop = sch.fuse(jo, jm)
     parallel = int(desc["k"]) * int(desc["n"]) >= PARALLEL_MIN_WEIGHTS
-    if parallel:
-        sch.parallel(slice_loop)  # before any decompose_reduction
-
-    sch.compute_at(reg, io)
-    sch.set_scope(reg, 0, "local")
-    r_rows, r_cols, r_k = sch.get_loops(reg)[-3:]
-    sch.reorder(r_k, r_rows, r_cols)
-    sch.unroll(r_rows)
-    sch.vectorize(r_cols)
-    sch.unroll(ii)
-    sch.vectorize(ji)
-
-    c_store = sch.cache_write(acc, 0, "global")
-    sch.reverse_compute_at(c_store, slice_loop)
-    sch.reverse_compute_inline(out)
-    sch.decompose_reduction(reg, r_k)
-    c_init = sch.decompose_reduction(acc, ko)
-    sch.vectorize(sch.get_loops(c_init)[-1])
-
-    rows_loop, _ = sch.get_loops(x_pad)
-    if parallel:
-        sch.parallel(rows_loop)
+    store_slices(sch, acc, out, x_pad, register_tiles(sch, acc, tiles, nb, parallel), parallel)
     return sch

@@ -60,7 +60,7 @@ from qtvm import ops
 from qtvm.ops_gemm import BLOCK_DEQUANT, BLOCK_XPAD, KERNEL_NAME
 from schedules.target_facts import cpu_facts, table_facts
 
-__all__ = ["GemmTiles", "applies", "gemm_tiles", "schedule_qmatmul_gemm_x86"]
+__all__ = ["GemmTiles", "applies", "gemm_tiles", "register_tiles", "schedule_qmatmul_gemm_x86", "store_slices"]
 
 #: Most weight vectors per micro-kernel row (n_r = this many vectors of lanes).
 MAX_COL_VECTORS = 4
@@ -110,6 +110,48 @@ def gemm_tiles(desc, target: tvm.target.Target) -> GemmTiles:
     return GemmTiles(rows=rows, cols=cols, depth=depth, unroll=run)
 
 
+def register_tiles(sch: s_tir.Schedule, acc, tiles: GemmTiles, nb: int, parallel: bool = True):
+    """The loop nest both GEMM rules share: K in chunks of kc (the register tile R is the
+    rfactor of one chunk), (parallel) column slices of n_r columns inside a column block,
+    and the micro-kernel R[m_r, n_r] in registers (k outermost, rows unrolled, columns
+    vectorised). Returns what ``store_slices`` takes: (slice loop, chunk loop, register
+    block, its k loop); R's init is split off there, after the caller's own stages."""
+    _, _, k = sch.get_loops(acc)
+    ko, _ = sch.split(k, [None, tiles.depth])
+    reg = sch.rfactor(ko, 0)
+    i, j, ko = sch.get_loops(acc)
+    io, ii = sch.split(i, [None, tiles.rows])
+    jo, jm, ji = sch.split(j, [None, nb // tiles.cols, tiles.cols])
+    sch.reorder(jo, jm, ko, io, ii, ji)
+    slice_loop = sch.fuse(jo, jm)
+    if parallel:
+        sch.parallel(slice_loop)  # before any decompose_reduction
+    sch.compute_at(reg, io)
+    sch.set_scope(reg, 0, "local")
+    r_rows, r_cols, r_k = sch.get_loops(reg)[-3:]
+    sch.reorder(r_k, r_rows, r_cols)
+    sch.unroll(r_rows)
+    sch.vectorize(r_cols)
+    sch.unroll(ii)
+    sch.vectorize(ji)
+    return slice_loop, ko, reg, r_k
+
+
+def store_slices(sch: s_tir.Schedule, acc, out, x_pad, tiled, parallel: bool = True) -> None:
+    """C, a slice's accumulator over all rows, stored to y (rows < M, columns < N); the
+    padded copy of x built by (parallel) rows. ``tiled``: ``register_tiles``' result."""
+    slice_loop, ko, reg, r_k = tiled
+    c_store = sch.cache_write(acc, 0, "global")
+    sch.reverse_compute_at(c_store, slice_loop)
+    sch.reverse_compute_inline(out)
+    sch.decompose_reduction(reg, r_k)
+    c_init = sch.decompose_reduction(acc, ko)
+    sch.vectorize(sch.get_loops(c_init)[-1])
+    rows_loop, _ = sch.get_loops(x_pad)
+    if parallel:
+        sch.parallel(rows_loop)
+
+
 def schedule_qmatmul_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
     if not applies(func, target):
         return None
@@ -129,26 +171,8 @@ def schedule_qmatmul_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target
     (unpad,) = sch.get_consumers(acc)  # acc_pad -> acc copy
     sch.compute_inline(unpad)
 
-    # K in chunks of kc: the register tile R is the rfactor of one chunk.
-    _, _, k = sch.get_loops(acc)
-    ko, _ = sch.split(k, [None, tiles.depth])
-    reg = sch.rfactor(ko, 0)
-    i, j, ko = sch.get_loops(acc)
-    io, ii = sch.split(i, [None, tiles.rows])
-    jo, jm, ji = sch.split(j, [None, nb // tiles.cols, tiles.cols])
-    sch.reorder(jo, jm, ko, io, ii, ji)
-    slice_loop = sch.fuse(jo, jm)
-    sch.parallel(slice_loop)  # before any decompose_reduction
-
-    # Micro-kernel: R[m_r, n_r] in registers, k outermost, rows unrolled, columns vectorised.
-    sch.compute_at(reg, io)
-    sch.set_scope(reg, 0, "local")
-    r_rows, r_cols, r_k = sch.get_loops(reg)[-3:]
-    sch.reorder(r_k, r_rows, r_cols)
-    sch.unroll(r_rows)
-    sch.vectorize(r_cols)
-    sch.unroll(ii)
-    sch.vectorize(ji)
+    tiled = register_tiles(sch, acc, tiles, nb)
+    ko = tiled[1]
 
     # Dequantized tile W[kc, n_r], once per (slice, chunk), unrolled over one packed run.
     sch.compute_at(wdq, ko)
@@ -157,14 +181,5 @@ def schedule_qmatmul_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target
     sch.unroll(w_run)
     sch.vectorize(w_j)
 
-    # C: this slice's accumulator over all rows, stored to y (rows < M, cols < N).
-    c_store = sch.cache_write(acc, 0, "global")
-    sch.reverse_compute_at(c_store, slice_loop)
-    sch.reverse_compute_inline(out)
-    sch.decompose_reduction(reg, r_k)
-    c_init = sch.decompose_reduction(acc, ko)
-    sch.vectorize(sch.get_loops(c_init)[-1])
-
-    rows_loop, _ = sch.get_loops(x_pad)
-    sch.parallel(rows_loop)
+    store_slices(sch, acc, out, x_pad, tiled)
     return sch
