@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtvm.errors import QtvmError
+from qtvm.hugepages import NewMemoryOnHugePages
 
 
 def _aligned(shape, dtype):
@@ -70,12 +71,14 @@ class KVSession:
         self._rows = {}
         self._buffers, self._flat = {}, {}
         layouts = info.get("layouts") or ["bhld"] * len(info["caches"])
-        for name, layout in zip(info["caches"], layouts):
-            spec = specs[name]
-            _, heads, _, dim = spec["shape"]
-            self._rows[name] = (int(heads), int(dim), spec["dtype"], layout)
-            buf = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),), spec["dtype"])
-            self._buffers[name] = buf
+        with NewMemoryOnHugePages(written=False):  # every step reads the caches: 2 MiB pages
+            for name, layout in zip(info["caches"], layouts):
+                spec = specs[name]
+                _, heads, _, dim = spec["shape"]
+                self._rows[name] = (int(heads), int(dim), spec["dtype"], layout)
+                self._buffers[name] = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),),
+                                                        spec["dtype"])
+        for name, buf in self._buffers.items():
             self._flat[name] = np.from_dlpack(buf)
             self._flat[name][:] = 0  # padded keys must be finite: probability 0 times a value
         self._mask_dtype = specs[info["mask"]]["dtype"]

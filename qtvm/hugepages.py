@@ -100,10 +100,11 @@ def _madvise():
     return fn
 
 
-def back_with_huge_pages(ranges: list[Range]) -> int:
+def back_with_huge_pages(ranges: list[Range], collapse: bool = True) -> int:
     """Ask for huge pages over the whole 2 MiB pages of ``ranges``; returns the bytes
-    collapsed now (0 where THP is off, the kernel predates MADV_COLLAPSE, or memory is
-    too fragmented: the ranges stay as they were, which is always correct)."""
+    advised (``collapse`` False: memory not written yet, which then faults in as huge
+    pages) or collapsed now (0 where THP is off, the kernel predates MADV_COLLAPSE, or
+    memory is too fragmented: the ranges stay as they were, which is always correct)."""
     if not enabled() or thp_mode() in ("never", "unavailable"):
         return 0
     madvise = _madvise()
@@ -113,8 +114,8 @@ def back_with_huge_pages(ranges: list[Range]) -> int:
         if aligned is None:
             continue
         lo, hi = aligned
-        madvise(lo, hi - lo, MADV_HUGEPAGE)
-        if madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+        advised = madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+        if (madvise(lo, hi - lo, MADV_COLLAPSE) == 0) if collapse else advised:
             done += hi - lo
     return done
 
@@ -169,7 +170,12 @@ def populated(ranges: list[Range], smaps_text: str | None = None, min_fraction: 
 class NewMemoryOnHugePages:
     """``with NewMemoryOnHugePages() as new: <allocate>``: afterwards the memory mapped
     inside the block is on huge pages where the system allows; ``new.ranges`` and
-    ``new.collapsed`` (bytes) say what was done."""
+    ``new.collapsed`` (bytes) say what was done. ``written=False``: the block allocates
+    without writing (``tvm.runtime.empty``), so the new ranges are only advised and fault
+    in as huge pages when first written: no copy."""
+
+    def __init__(self, written: bool = True):
+        self.written = written
 
     def __enter__(self) -> "NewMemoryOnHugePages":
         self._before = anonymous_ranges() if enabled() else []
@@ -179,5 +185,6 @@ class NewMemoryOnHugePages:
 
     def __exit__(self, *exc) -> None:
         if exc[0] is None and enabled():
-            self.ranges = populated(new_ranges(self._before, anonymous_ranges()))
-            self.collapsed = back_with_huge_pages(self.ranges)
+            fresh = new_ranges(self._before, anonymous_ranges())
+            self.ranges = populated(fresh) if self.written else fresh
+            self.collapsed = back_with_huge_pages(self.ranges, collapse=self.written)

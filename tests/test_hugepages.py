@@ -121,3 +121,22 @@ def test_runtime_results_do_not_depend_on_page_size(tmp_path, monkeypatch, setti
     got = m.run({"x": x})["y"]
     monkeypatch.setenv(hp.ENV, "0" if setting == "1" else "1")
     np.testing.assert_array_equal(runtime.load(so).run({"x": x})["y"], got)
+
+
+def test_memory_allocated_unwritten_is_advised_and_faults_in_huge(monkeypatch):
+    """``written=False`` (the KV caches): the new ranges are advised, not collapsed, and
+    writing them afterwards brings huge pages in directly."""
+    import tvm
+
+    monkeypatch.delenv(hp.ENV, raising=False)
+    with hp.NewMemoryOnHugePages(written=False) as new:
+        t = tvm.runtime.empty((16 << 20,), "int32")  # 64 MiB, untouched
+    a = np.from_dlpack(t)
+    assert any(lo <= a.ctypes.data < hi for lo, hi in new.ranges)
+    a[:] = 7
+    if _collapse_supported():
+        assert new.collapsed >= 32 << 20  # bytes advised
+        assert hp.huge_bytes(new.ranges) >= 32 << 20
+    else:
+        assert hp.huge_bytes(new.ranges) == 0 or hp.thp_mode() == "always"
+    assert int(a[123]) == 7
