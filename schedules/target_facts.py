@@ -98,6 +98,9 @@ class CpuFacts:
                       VM the first benchmarks ran on: 6 KiB into L2) or the table row's
                       measurement, which names its CPU; ``qtvm tune`` finds the pair per
                       machine (``schedules.tune_a8``).
+    a8_pass_cols:     columns of one pass of the int8 GEMV over a group's rows (a multiple of
+                      16), 0 = the whole column block in one pass (the default, measured on the
+    a8_pass_source:   Intel Xeon VM); where a table row measured otherwise, it names its CPU.
     mcpu:             the LLVM CPU name these facts describe.
     source:           "host" (read from this machine) or "table".
     """
@@ -118,6 +121,8 @@ class CpuFacts:
     prefetch_bytes: int = 6144
     prefetch_locality: int = 2
     prefetch_source: str = "default"
+    a8_pass_cols: int = 0
+    a8_pass_source: str = "default"
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_RANK:
@@ -176,6 +181,7 @@ class _CpuSpec:
     valu512: int = 2
     part: str = ""
     prefetch: tuple = ()  # (bytes ahead, locality, "measured on ...") where measured
+    a8_pass: tuple = ()  # (columns per pass, "measured on ...") where measured
 
 
 # Sources: vendor product pages (cores, clocks, cache sizes) and the
@@ -196,7 +202,10 @@ _TABLE: dict[str, _CpuSpec] = {
     "znver5": _CpuSpec("avx512", 48 * _KIB, 1 * _MIB, 32 * _MIB, 128, 2.7,
                        fma256=2, valu256=4, fma512=2, valu512=4, part="EPYC 9755 (native 512-bit pipes)",
                        prefetch=(4096, 3, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int4 GEMV, 4 KiB into L1 "
-                                          "~1.2x faster than 6 KiB into L2")),
+                                          "~1.2x faster than 6 KiB into L2"),
+                       a8_pass=(16, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs, interleaved A/B in one "
+                                    "process, 1 thread: 16-column passes 1.11-1.30x faster than whole 64-column "
+                                    "rows at K = 5504 / 11008 / 14336 (int4, int3), 0.98-1.04x at K = 4096 / 8192")),
     # Intel client
     "haswell": _CpuSpec("avx2", 32 * _KIB, 256 * _KIB, 8 * _MIB, 4, 3.4,
                         fma256=2, valu256=3, part="Core i7-4770"),
@@ -382,6 +391,7 @@ def _host_spec() -> tuple[str, _CpuSpec]:
         valu512=ref.valu512,
         part=f"host ({name or 'unknown'})",
         prefetch=ref.prefetch,
+        a8_pass=ref.a8_pass,
     )
     return name, spec
 
@@ -453,6 +463,7 @@ def _facts_from_spec(spec: _CpuSpec, isa: str, mcpu: str, source: str, cores: in
         source=source,
         **({"prefetch_bytes": spec.prefetch[0], "prefetch_locality": spec.prefetch[1],
             "prefetch_source": spec.prefetch[2]} if spec.prefetch else {}),
+        **({"a8_pass_cols": spec.a8_pass[0], "a8_pass_source": spec.a8_pass[1]} if spec.a8_pass else {}),
     )
 
 

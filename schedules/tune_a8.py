@@ -82,7 +82,8 @@ class A8KnobSpace:
             prefetch.append(default)
         gemv = kind == "qmatmul_a8"
         streams = tuple(s for s in STREAMS if nblk % s == 0) if gemv else (1,)
-        analytic = {"streams": 1, "tile_cols": nb if gemv else 0, "prefetch_bytes": default[0],
+        analytic = {"streams": 1, "tile_cols": x86.a8_tile_cols(target, nb) if gemv else 0,
+                    "prefetch_bytes": default[0],
                     "prefetch_locality": default[1], "unroll": 0}
         return A8KnobSpace(kind, desc, target, streams, tuple(prefetch), analytic)
 
@@ -114,7 +115,7 @@ class A8KnobSpace:
 
         tiles = self._tiles(streams) if gemv else [0]
         cols = int(self.desc["col_block"]) * streams
-        tile = sample("tile_cols", tiles, cols if gemv else 0)
+        tile = sample("tile_cols", tiles, x86.a8_tile_cols(self.target, cols) if gemv else 0)
         unroll = sample("unroll", list(UNROLL), 0)
         out = sch.get_sblock(ops.BLOCK_OUT)
         for name, value in (("streams", streams), ("tile_cols", tile), ("prefetch_bytes", prefetch[0]),

@@ -199,9 +199,10 @@ def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
 # MetaSchedule samples, the others change the loop nest or the TensorIntrin and are ints:
 #   streams:   column blocks per parallel task (divides the blocks)
 #   tile_cols: columns per pass over a group's rows (a multiple of 16 dividing the task's
-#              columns); default all of them: one pass reads whole rows, one contiguous
-#              stream, which measured faster from DRAM than narrower register-resident
-#              passes, even where AVX2 spills
+#              columns); default: the target's facts (``a8_tile_cols``), else all of them:
+#              one pass reads whole rows, one contiguous stream, which measured faster from
+#              DRAM than narrower register-resident passes on the Intel Xeon VM, even where
+#              AVX2 spills (Zen 5 measured 16-column passes faster)
 #   prefetch:  (bytes ahead, llvm.prefetch locality) of each step's prefetch, (0, 0) none
 #   unroll:    pragma_auto_unroll_max_step of each group's block loop (0: a loop)
 def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, streams: int | None = None,
@@ -214,6 +215,7 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
     streams = A8_STREAMS if streams is None else int(streams)
     cols = nb * streams
     prefetch = a8_prefetch(target) if prefetch is None else prefetch
+    tile_cols = a8_tile_cols(target, cols) if tile_cols is None else tile_cols
     nblk = -(-int(desc["n"]) // nb)
     if streams < 1 or nblk % streams:
         raise ValueError(f"streams={streams} must divide the {nblk} column blocks")
@@ -251,6 +253,18 @@ def a8_prefetch(target: tvm.target.Target) -> tuple[int, int]:
 
         return CpuFacts.prefetch_bytes, CpuFacts.prefetch_locality
     return facts.prefetch_bytes, facts.prefetch_locality
+
+
+def a8_tile_cols(target: tvm.target.Target, cols: int) -> int:
+    """Columns per pass of the int8 GEMV over a group's rows: the target's measured fact
+    where it has one and it divides ``cols``, else ``cols`` (whole rows, one pass)."""
+    from schedules.target_facts import cpu_facts
+
+    try:
+        pass_cols = cpu_facts(target).a8_pass_cols
+    except ValueError:  # an mcpu the table does not know
+        return cols
+    return pass_cols if pass_cols and cols % pass_cols == 0 else cols
 
 
 def prefetch_rows(prefetch: tuple[int, int], nb: int) -> tuple[int, int]:

@@ -58,6 +58,28 @@ def test_prefetch_bytes_become_rows_of_the_blocked_array():
     assert intrin.intrin_name(4, "avx2", (0, 0)).endswith("_nopf")
 
 
+def test_pass_width_comes_from_the_target_facts():
+    """Zen 5 measured 16-column passes faster (``target_facts``); other CPUs keep whole rows,
+    and a measured width that does not divide the task's columns falls back to them."""
+    from qtvm.target import parse_target
+
+    assert x86.a8_tile_cols(parse_target("llvm -mcpu=znver5"), 64) == 16
+    assert x86.a8_tile_cols(parse_target("llvm -mcpu=znver5"), 8) == 8
+    assert x86.a8_tile_cols(parse_target("llvm -mcpu=skylake-avx512"), 64) == 64
+    assert x86.a8_tile_cols(parse_target("llvm -mcpu=znver3"), 64) == 64
+
+
+def test_default_schedule_on_zen5_is_the_16_column_pass_knob():
+    """No knobs on a znver5 target = the explicit tile_cols=16 schedule; on another CPU = whole rows."""
+    from qtvm.target import parse_target
+
+    func = ops.qmatmul_a8_func(get_format("int4-g128"), 1000, 200, NB)
+    zen5, skx = parse_target("llvm -mcpu=znver5"), parse_target("llvm -mcpu=skylake-avx512")
+    script = lambda t, **kn: x86.schedule_qmatmul_a8_x86(func, t, **kn).mod.script()  # noqa: E731
+    assert script(zen5) == script(zen5, tile_cols=16) != script(zen5, tile_cols=64)
+    assert script(skx) == script(skx, tile_cols=64) != script(skx, tile_cols=16)
+
+
 def _mix(preset: str, isa: str, **knobs):
     func = ops.qmatmul_a8_func(get_format(preset), 4096, 256, NB)
     sch = x86.schedule_qmatmul_a8_x86(func, ISA_TARGETS[isa], **knobs)
