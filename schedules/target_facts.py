@@ -101,6 +101,8 @@ class CpuFacts:
     a8_pass_cols:     columns of one pass of the int8 GEMV over a group's rows (a multiple of
                       16), 0 = the whole column block in one pass (the default, measured on the
     a8_pass_source:   Intel Xeon VM); where a table row measured otherwise, it names its CPU.
+    prefill_prefetch: whether the int8 prefill kernel (4-row tiles: compute-bound) prefetches
+    prefill_prefetch_source: its weights like the GEMV (default) or not (a measured row).
     mcpu:             the LLVM CPU name these facts describe.
     source:           "host" (read from this machine) or "table".
     """
@@ -123,6 +125,8 @@ class CpuFacts:
     prefetch_source: str = "default"
     a8_pass_cols: int = 0
     a8_pass_source: str = "default"
+    prefill_prefetch: bool = True
+    prefill_prefetch_source: str = "default"
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_RANK:
@@ -182,6 +186,7 @@ class _CpuSpec:
     part: str = ""
     prefetch: tuple = ()  # (bytes ahead, locality, "measured on ...") where measured
     a8_pass: tuple = ()  # (columns per pass, "measured on ...") where measured
+    prefill_prefetch: tuple = ()  # (prefetch or not, "measured on ...") where measured
 
 
 # Sources: vendor product pages (cores, clocks, cache sizes) and the
@@ -205,7 +210,10 @@ _TABLE: dict[str, _CpuSpec] = {
                                           "~1.2x faster than 6 KiB into L2"),
                        a8_pass=(16, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs, interleaved A/B in one "
                                     "process, 1 thread: 16-column passes 1.11-1.30x faster than whole 64-column "
-                                    "rows at K = 5504 / 11008 / 14336 (int4, int3), 0.98-1.04x at K = 4096 / 8192")),
+                                    "rows at K = 5504 / 11008 / 14336 (int4, int3), 0.98-1.04x at K = 4096 / 8192"),
+                       prefill_prefetch=(False, "AMD EPYC Zen 5 VM (2 vCPUs): int8 prefill kernel without software "
+                                                "prefetch 1.01-1.15x faster weights-cold, 1.15-1.25x hot (M = 4-128, "
+                                                "1 and 2 threads, interleaved A/B)")),
     # Intel client
     "haswell": _CpuSpec("avx2", 32 * _KIB, 256 * _KIB, 8 * _MIB, 4, 3.4,
                         fma256=2, valu256=3, part="Core i7-4770"),
@@ -392,6 +400,7 @@ def _host_spec() -> tuple[str, _CpuSpec]:
         part=f"host ({name or 'unknown'})",
         prefetch=ref.prefetch,
         a8_pass=ref.a8_pass,
+        prefill_prefetch=ref.prefill_prefetch,
     )
     return name, spec
 
@@ -464,6 +473,8 @@ def _facts_from_spec(spec: _CpuSpec, isa: str, mcpu: str, source: str, cores: in
         **({"prefetch_bytes": spec.prefetch[0], "prefetch_locality": spec.prefetch[1],
             "prefetch_source": spec.prefetch[2]} if spec.prefetch else {}),
         **({"a8_pass_cols": spec.a8_pass[0], "a8_pass_source": spec.a8_pass[1]} if spec.a8_pass else {}),
+        **({"prefill_prefetch": spec.prefill_prefetch[0], "prefill_prefetch_source": spec.prefill_prefetch[1]}
+           if spec.prefill_prefetch else {}),
     )
 
 

@@ -76,11 +76,11 @@ class A8KnobSpace:
         desc = {str(k): v for k, v in func.attrs[ops.FORMAT_ATTR].items()}
         nb = int(desc["col_block"])
         nblk = -(-int(desc["n"]) // nb)
-        default = tuple(int(v) for v in x86.a8_prefetch(target))
+        gemv = kind == "qmatmul_a8"
+        default = tuple(int(v) for v in x86.a8_prefetch(target, prefill=not gemv))
         prefetch = [(0, 0)] + [(b, loc) for b in PREFETCH_BYTES if b for loc in PREFETCH_LOCALITIES]
         if default not in prefetch:
             prefetch.append(default)
-        gemv = kind == "qmatmul_a8"
         streams = tuple(s for s in STREAMS if nblk % s == 0) if gemv else (1,)
         analytic = {"streams": 1, "tile_cols": x86.a8_tile_cols(target, nb) if gemv else 0,
                     "prefetch_bytes": default[0],

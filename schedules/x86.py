@@ -241,17 +241,18 @@ def _unroll(sch: s_tir.Schedule, loop, steps) -> None:
     sch.annotate(loop, "pragma_unroll_explicit", 1)
 
 
-def a8_prefetch(target: tvm.target.Target) -> tuple[int, int]:
+def a8_prefetch(target: tvm.target.Target, prefill: bool = False) -> tuple[int, int]:
     """(bytes ahead, locality) of the weight prefetch: the target's facts (``target_facts``:
-    a measured row of its table, else the default), overridden by tuning."""
-    from schedules.target_facts import cpu_facts
+    a measured row of its table, else the default), overridden by tuning. ``prefill``: for
+    the row-tiled prefill kernel, (0, 0) where the facts say it runs faster without."""
+    from schedules.target_facts import CpuFacts, cpu_facts
 
     try:
         facts = cpu_facts(target)
     except ValueError:  # an mcpu the table does not know: the default
-        from schedules.target_facts import CpuFacts
-
         return CpuFacts.prefetch_bytes, CpuFacts.prefetch_locality
+    if prefill and not facts.prefill_prefetch:
+        return 0, 0
     return facts.prefetch_bytes, facts.prefetch_locality
 
 
@@ -309,7 +310,7 @@ def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
     acc_r, acc_j, acc_g = sch.get_loops(acc)[-3:]
     sch.reorder(acc_g, acc_r, acc_j)
     loop, blocks = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
-    prefetch = a8_prefetch(target) if prefetch is None else prefetch
+    prefetch = a8_prefetch(target, prefill=True) if prefetch is None else prefetch
     sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
     _unroll(sch, blocks, unroll)
 

@@ -113,3 +113,18 @@ def test_int3_unpack_merges_the_high_bit_with_one_ternary_op():
     m = _mix("int3-g128", "avx512vnni")
     assert m.count("vpternlogd") == 8
     assert m.count("vpdpbusd") == 8
+
+
+def test_prefill_prefetch_comes_from_the_target_facts():
+    """Zen 5's prefill kernel runs without software prefetch (measured); the GEMV keeps it,
+    and other CPUs keep it in both."""
+    from qtvm.intrin.x86 import ROW_TILE
+    from qtvm.target import parse_target
+
+    zen5, skx = parse_target("llvm -mcpu=znver5"), parse_target("llvm -mcpu=skylake-avx512")
+    assert x86.a8_prefetch(zen5, prefill=True) == (0, 0)
+    assert x86.a8_prefetch(zen5) == (4096, 3)
+    assert x86.a8_prefetch(skx, prefill=True) == x86.a8_prefetch(skx) != (0, 0)
+    func = ops.qmatmul_a8_gemm_func(get_format("int4-g128"), 1000, 200, NB, ROW_TILE)
+    script = lambda t, **kn: x86.schedule_qmatmul_a8_gemm_x86(func, t, **kn).mod.script()  # noqa: E731
+    assert script(zen5) == script(zen5, prefetch=(0, 0)) != script(zen5, prefetch=(4096, 3))
