@@ -206,8 +206,10 @@ _TABLE: dict[str, _CpuSpec] = {
                        part="EPYC 9654 (512-bit ops double-pumped on 256-bit pipes)"),
     "znver5": _CpuSpec("avx512", 48 * _KIB, 1 * _MIB, 32 * _MIB, 128, 2.7,
                        fma256=2, valu256=4, fma512=2, valu512=4, part="EPYC 9755 (native 512-bit pipes)",
-                       prefetch=(4096, 3, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int4 GEMV, 4 KiB into L1 "
-                                          "~1.2x faster than 6 KiB into L2"),
+                       prefetch=(6144, 3, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs with 16-column "
+                                          "passes, interleaved A/B: 6 KiB into L1 1.01-1.07x faster than 4 KiB "
+                                          "(int4, int3; 1 and 2 threads), 1.25x faster than 2 KiB; with whole-row "
+                                          "passes 4 KiB into L1 was best, ~1.2x faster than 6 KiB into L2"),
                        a8_pass=(16, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs, interleaved A/B in one "
                                     "process, 1 thread: 16-column passes 1.11-1.30x faster than whole 64-column "
                                     "rows at K = 5504 / 11008 / 14336 (int4, int3), 0.98-1.04x at K = 4096 / 8192"),

@@ -123,7 +123,7 @@ def test_prefill_prefetch_comes_from_the_target_facts():
 
     zen5, skx = parse_target("llvm -mcpu=znver5"), parse_target("llvm -mcpu=skylake-avx512")
     assert x86.a8_prefetch(zen5, prefill=True) == (0, 0)
-    assert x86.a8_prefetch(zen5) == (4096, 3)
+    assert x86.a8_prefetch(zen5) == (6144, 3)
     assert x86.a8_prefetch(skx, prefill=True) == x86.a8_prefetch(skx) != (0, 0)
     func = ops.qmatmul_a8_gemm_func(get_format("int4-g128"), 1000, 200, NB, ROW_TILE)
     script = lambda t, **kn: x86.schedule_qmatmul_a8_gemm_x86(func, t, **kn).mod.script()  # noqa: E731
