@@ -9,6 +9,11 @@ which gets 4 KiB pages unless the system's THP mode is ``always`` (most distribu
 that appeared during the load with huge pages: ``madvise(MADV_HUGEPAGE)`` for what is
 faulted in later, ``MADV_COLLAPSE`` (Linux >= 6.1) to move what is already there.
 
+Only memory mapped during the load is moved: a block that reuses memory freed earlier in the
+process (glibc serves blocks below its mmap threshold, up to 32 MiB once it has adapted, from
+its heap) stays where it is. In a fresh process, as a deployment loads its artefact, that is
+all of it; in a long-lived one (a notebook) some smaller constants may be missed.
+
 Nothing here changes numbers; on a kernel or machine without THP every call is a no-op.
 ``QTVM_HUGEPAGES=0`` turns it off (to compare, or where memory is tight: a collapsed
 range holds whole 2 MiB pages).

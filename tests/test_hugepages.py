@@ -69,7 +69,9 @@ def test_a_tensor_allocated_inside_the_block_moves_to_huge_pages_with_its_values
     import tvm
 
     monkeypatch.delenv(hp.ENV, raising=False)
-    data = np.arange(4 << 20, dtype=np.int32)  # 16 MiB: at least 7 whole huge pages
+    # 48 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so a fresh mapping even
+    # late in a long process (a smaller block may reuse memory freed earlier: not new, not moved)
+    data = np.arange(12 << 20, dtype=np.int32)
     with hp.NewMemoryOnHugePages() as new:
         t = tvm.runtime.tensor(data)
     addr = np.from_dlpack(t).ctypes.data
