@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -184,9 +184,8 @@ class _CpuSpec:
     fma512: int = 1
     valu512: int = 2
     part: str = ""
-    prefetch: tuple = ()  # (bytes ahead, locality, "measured on ...") where measured
-    a8_pass: tuple = ()  # (columns per pass, "measured on ...") where measured
-    prefill_prefetch: tuple = ()  # (prefetch or not, "measured on ...") where measured
+    # CpuFacts fields this row sets from a measurement on the CPU (each ``*_source`` names it)
+    measured: Mapping[str, Any] = field(default_factory=dict)
 
 
 # Sources: vendor product pages (cores, clocks, cache sizes) and the
@@ -206,16 +205,22 @@ _TABLE: dict[str, _CpuSpec] = {
                        part="EPYC 9654 (512-bit ops double-pumped on 256-bit pipes)"),
     "znver5": _CpuSpec("avx512", 48 * _KIB, 1 * _MIB, 32 * _MIB, 128, 2.7,
                        fma256=2, valu256=4, fma512=2, valu512=4, part="EPYC 9755 (native 512-bit pipes)",
-                       prefetch=(6144, 3, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs with 16-column "
-                                          "passes, interleaved A/B: 6 KiB into L1 1.01-1.07x faster than 4 KiB "
-                                          "(int4, int3; 1 and 2 threads), 1.25x faster than 2 KiB; with whole-row "
-                                          "passes 4 KiB into L1 was best, ~1.2x faster than 6 KiB into L2"),
-                       a8_pass=(16, "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs, interleaved A/B in one "
-                                    "process, 1 thread: 16-column passes 1.11-1.30x faster than whole 64-column "
-                                    "rows at K = 5504 / 11008 / 14336 (int4, int3), 0.98-1.04x at K = 4096 / 8192"),
-                       prefill_prefetch=(False, "AMD EPYC Zen 5 VM (2 vCPUs): int8 prefill kernel without software "
-                                                "prefetch 1.01-1.15x faster weights-cold, 1.15-1.25x hot (M = 4-128, "
-                                                "1 and 2 threads, interleaved A/B)")),
+                       measured={
+                           "prefetch_bytes": 6144, "prefetch_locality": 3,
+                           "prefetch_source": "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs with 16-column "
+                                              "passes, interleaved A/B: 6 KiB into L1 1.01-1.07x faster than 4 KiB "
+                                              "(int4, int3; 1 and 2 threads), 1.25x faster than 2 KiB; with "
+                                              "whole-row passes 4 KiB into L1 was best, ~1.2x faster than 6 KiB "
+                                              "into L2",
+                           "a8_pass_cols": 16,
+                           "a8_pass_source": "AMD EPYC Zen 5 VM (2 vCPUs): DRAM-cold int8 GEMVs, interleaved A/B in "
+                                             "one process, 1 thread: 16-column passes 1.11-1.30x faster than whole "
+                                             "64-column rows at K = 5504 / 11008 / 14336 (int4, int3), 0.98-1.04x "
+                                             "at K = 4096 / 8192",
+                           "prefill_prefetch": False,
+                           "prefill_prefetch_source": "AMD EPYC Zen 5 VM (2 vCPUs): int8 prefill kernel without "
+                                                      "software prefetch 1.01-1.15x faster weights-cold, 1.15-1.25x "
+                                                      "hot (M = 4-128, 1 and 2 threads, interleaved A/B)"}),
     # Intel client
     "haswell": _CpuSpec("avx2", 32 * _KIB, 256 * _KIB, 8 * _MIB, 4, 3.4,
                         fma256=2, valu256=3, part="Core i7-4770"),
@@ -388,21 +393,15 @@ def _host_spec() -> tuple[str, _CpuSpec]:
         name = ""
     ref = CPU_TABLE.get(name, _ISA_DEFAULT_SPEC[isa])
     caches = _read_host_caches()
-    spec = _CpuSpec(
-        isa,
+    spec = replace(  # the row's rates and measured facts, this machine's caches, cores and clock
+        ref,
+        isa=isa,
         l1d=caches.get(1, ref.l1d),
         l2=caches.get(2, ref.l2),
         l3=caches.get(3, ref.l3),
         cores=_host_cores(),
         freq_ghz=_host_freq_ghz(ref.freq_ghz),
-        fma256=ref.fma256,
-        valu256=ref.valu256,
-        fma512=ref.fma512,
-        valu512=ref.valu512,
         part=f"host ({name or 'unknown'})",
-        prefetch=ref.prefetch,
-        a8_pass=ref.a8_pass,
-        prefill_prefetch=ref.prefill_prefetch,
     )
     return name, spec
 
@@ -472,11 +471,7 @@ def _facts_from_spec(spec: _CpuSpec, isa: str, mcpu: str, source: str, cores: in
         freq_ghz=spec.freq_ghz,
         mcpu=mcpu,
         source=source,
-        **({"prefetch_bytes": spec.prefetch[0], "prefetch_locality": spec.prefetch[1],
-            "prefetch_source": spec.prefetch[2]} if spec.prefetch else {}),
-        **({"a8_pass_cols": spec.a8_pass[0], "a8_pass_source": spec.a8_pass[1]} if spec.a8_pass else {}),
-        **({"prefill_prefetch": spec.prefill_prefetch[0], "prefill_prefetch_source": spec.prefill_prefetch[1]}
-           if spec.prefill_prefetch else {}),
+        **spec.measured,
     )
 
 
