@@ -177,19 +177,29 @@ class NewMemoryOnHugePages:
     inside the block is on huge pages where the system allows; ``new.ranges`` and
     ``new.collapsed`` (bytes) say what was done. ``written=False``: the block allocates
     without writing (``tvm.runtime.empty``), so the new ranges are only advised and fault
-    in as huge pages when first written: no copy."""
+    in as huge pages when first written: no copy. ``start()`` / ``finish()`` are the same
+    two steps for a caller that decides after allocating whether to move anything."""
 
     def __init__(self, written: bool = True):
         self.written = written
-
-    def __enter__(self) -> "NewMemoryOnHugePages":
-        self._before = anonymous_ranges() if enabled() else []
         self.ranges: list[Range] = []
         self.collapsed = 0
+
+    def start(self) -> "NewMemoryOnHugePages":
+        self._before = anonymous_ranges() if enabled() else []
         return self
 
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None and enabled():
+    def finish(self) -> int:
+        """Move what was mapped since ``start``; returns the bytes moved (or advised)."""
+        if enabled():
             fresh = new_ranges(self._before, anonymous_ranges())
             self.ranges = populated(fresh) if self.written else fresh
             self.collapsed = back_with_huge_pages(self.ranges, collapse=self.written)
+        return self.collapsed
+
+    def __enter__(self) -> "NewMemoryOnHugePages":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.finish()

@@ -63,11 +63,10 @@ class Module:
         path = Path(path)
         if not path.is_file():
             raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
-        with NewMemoryOnHugePages() as weights:  # the constants TVM allocates while loading
-            with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
-                lib = _load_library(path)
-            self._vm = VirtualMachine(lib, tvm.cpu())
-        self.huge_page_bytes = weights.collapsed  # see qtvm.hugepages (QTVM_HUGEPAGES=0: off)
+        weights = NewMemoryOnHugePages().start()  # the constants TVM allocates while loading
+        with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
+            lib = _load_library(path)
+        self._vm = VirtualMachine(lib, tvm.cpu())
         try:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
         except Exception:
@@ -82,6 +81,9 @@ class Module:
         self._main = self._vm["main"]
         self._path, self._lib, self._device = path, lib, None
         self.device = self.metadata.get("device", "cpu")
+        # CPU kernels stream the constants loaded above; a GPU artefact's run from device memory,
+        # so moving its host copies would only slow the load (QTVM_HUGEPAGES=0: off everywhere)
+        self.huge_page_bytes = weights.finish() if self.device == "cpu" else 0
         if self.device == "cuda":
             _check_cuda_arch(path, self.metadata, missing_ok=True)  # a wrong GPU is refused now, none at run
         self._io = _TensorIO()
