@@ -98,7 +98,7 @@ def _weights_like_the_runtime(arrays) -> list:
     from qtvm.hugepages import NewMemoryOnHugePages
 
     with NewMemoryOnHugePages():
-        return [tvm.runtime.tensor(np.ascontiguousarray(a).copy()) for a in arrays]
+        return [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]  # a device copy each
 
 
 def register(formats, activations=("fp32",), target: str = "host") -> list[str]:

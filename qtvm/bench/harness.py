@@ -521,6 +521,9 @@ def threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) its mmap'd blocks
+
+
 def thread_env(n: int, huge_pages: bool = True) -> dict[str, str]:
     """Environment that pins every runtime's pool to ``n`` threads at start-up, and with
     ``huge_pages`` puts every kernel's weights on transparent huge pages: qtvm's runtime
@@ -546,9 +549,6 @@ def thread_env(n: int, huge_pages: bool = True) -> dict[str, str]:
     else:
         env.update({"QTVM_HUGEPAGES": "0", "THP_MEM_ALLOC_ENABLE": "0"})
     return env
-
-
-HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) its mmap'd blocks
 
 
 def pages_meta(huge_pages: bool) -> dict[str, str]:

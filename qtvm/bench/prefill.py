@@ -450,8 +450,8 @@ def run(shapes=DEFAULT_SHAPES, rows=DEFAULT_ROWS, formats=DEFAULT_FORMATS, activ
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if json_path is not None:
         harness.write_json(results, json_path, {
-            "benchmark": "prefill", "rounds": rounds, "pages": harness.pages_meta(True), "budget_s_per_round": budget_s, "target": target,
-            "quiet_wait_s": quiet_wait_s,
+            "benchmark": "prefill", "rounds": rounds, "budget_s_per_round": budget_s, "target": target,
+            "quiet_wait_s": quiet_wait_s, "pages": harness.pages_meta(True),
             "timing": "median of all timed calls; kernels interleaved per round; weights cache-resident"})
         print(f"wrote {json_path}")
     return results
