@@ -333,8 +333,10 @@ class Kernel:
 
     def _build(self, name: str, func: tvm.tirx.PrimFunc):
         if name not in self._built:
+            from schedules import tir_pipeline
+
             self._built[name] = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                                            target=self.target)
+                                            target=self.target, tir_pipeline=tir_pipeline(self.target))
         return self._built[name]
 
     def source(self, name: str = "analytic") -> Code:

@@ -217,7 +217,7 @@ def schedule_generic_ops(mod, target: tvm.target.Target):
 def compile_relax(mod, target: tvm.target.Target):
     """tvm.compile with the target family's Relax pipeline (GPU families already fused and
     scheduled the graph) and what a CUDA target needs around it (``qtvm.cuda``)."""
-    from schedules import family
+    from schedules import family, tir_pipeline
 
     pipeline = getattr(family(target), "relax_pipeline", None)
     pipeline = pipeline(target) if pipeline is not None else "default"
@@ -225,7 +225,7 @@ def compile_relax(mod, target: tvm.target.Target):
         from qtvm.cuda import compile_cuda
 
         return compile_cuda(mod, target, relax_pipeline=pipeline)
-    return tvm.compile(mod, target=target, relax_pipeline=pipeline)
+    return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline(target))
 
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
@@ -273,7 +273,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                 del mod[STEP_FUNC]
                 mod[METADATA_FUNC] = _metadata_function(meta)
                 Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping
-                _export(tvm.compile(schedule_generic_ops(mod, target), target=target), tmp, toolchain)
+                _export(compile_relax(schedule_generic_ops(mod, target), target), tmp, toolchain)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -43,7 +43,15 @@ def schedule_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.t
 
 def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     """One kernel on its own, scheduled by its rule and compiled (benchmarks and tests)."""
-    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
+    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target,
+                       tir_pipeline=tir_pipeline(target))
+
+
+def tir_pipeline(target: tvm.target.Target) -> str:
+    """The name of the TIR pipeline ``tvm.compile`` runs for ``target``: the family's own
+    (``tir_pipeline(target)`` in its module, e.g. x86's chunk claiming), else TVM's default."""
+    own = getattr(family(target), "tir_pipeline", None)
+    return own(target) if own is not None else "default"
 
 
 def schedule_generic_ops(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

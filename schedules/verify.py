@@ -158,8 +158,10 @@ def random_args(func: tirx.PrimFunc, binding: dict, rng: np.random.Generator) ->
 
 
 def _compile(func: tirx.PrimFunc, target):
+    from schedules import tir_pipeline
+
     func = func.with_attr("global_symbol", "main")
-    return tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
+    return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline=tir_pipeline(target))["main"]
 
 
 def _run(fn, args) -> list[np.ndarray]:

@@ -11,6 +11,7 @@ import tvm
 from tvm import s_tir
 
 from qtvm import ops
+from schedules import claim_chunks
 
 
 def applies(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> bool:
@@ -42,6 +43,12 @@ def rules() -> list:
     return [schedule_qmatmul_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
             schedule_quantize_activations_x86, schedule_sparse_outliers_x86, x86_gemm.schedule_qmatmul_gemm_x86,
             x86_lut.schedule_lut_gemv_x86, x86_dense.schedule_dense_x86, x86_lut.schedule_lut16_gemv_x86]
+
+
+def tir_pipeline(target: tvm.target.Target) -> str:
+    """TVM's TIR pipeline, then the rewrite of the parallel loops the rules marked for
+    claiming (``schedules/claim_chunks.py``)."""
+    return claim_chunks.register_pipeline()
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):
@@ -112,6 +119,7 @@ def apply_qmatmul_x86(sch: s_tir.Schedule, desc, *, tile_cols=None, unroll=None,
     sch.vectorize(sch.get_loops(acc)[-1])
     sch.decompose_reduction(acc, acc_g)
     sch.vectorize(sch.get_loops(out)[-1])
+    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
 
 
 def _unpack_unroll(desc) -> int:
@@ -231,6 +239,7 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
     sch.tensorize(loop, intrin.intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
     _unroll(sch, blocks, unroll)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
+    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
 
 
 def _unroll(sch: s_tir.Schedule, loop, steps) -> None:
@@ -313,6 +322,7 @@ def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
     prefetch = a8_prefetch(target, prefill=True) if prefetch is None else prefetch
     sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb)))
     _unroll(sch, blocks, unroll)
+    claim_chunks.mark(sch, jo)
 
 
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:

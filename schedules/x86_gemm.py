@@ -58,6 +58,7 @@ from tvm import s_tir
 
 from qtvm import ops
 from qtvm.ops_gemm import BLOCK_DEQUANT, BLOCK_XPAD, KERNEL_NAME
+from schedules import claim_chunks
 from schedules.target_facts import cpu_facts, table_facts
 
 __all__ = ["GemmTiles", "applies", "gemm_tiles", "register_tiles", "schedule_qmatmul_gemm_x86", "store_slices"]
@@ -150,6 +151,7 @@ def store_slices(sch: s_tir.Schedule, acc, out, x_pad, tiled, parallel: bool = T
     rows_loop, _ = sch.get_loops(x_pad)
     if parallel:
         sch.parallel(rows_loop)
+        claim_chunks.mark(sch, slice_loop)
 
 
 def schedule_qmatmul_gemm_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:

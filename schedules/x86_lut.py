@@ -17,6 +17,7 @@ import tvm
 from tvm import s_tir
 
 from qtvm import lut_gemv, ops
+from schedules import claim_chunks
 from schedules.x86 import tile_columns_then_groups
 
 
@@ -63,6 +64,7 @@ def schedule_lut_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) ->
     sch.vectorize(sch.get_loops(acc)[-1])
     sch.decompose_reduction(acc, acc_g)
     sch.vectorize(sch.get_loops(out)[-1])
+    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
     return sch
 
 
@@ -117,6 +119,7 @@ def schedule_lut16_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) 
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_ACC))[-1])
     sch.decompose_reduction(sch.get_sblock(ops.BLOCK_ACC), acc_g)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
+    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
     return sch
 
 

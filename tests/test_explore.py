@@ -57,7 +57,8 @@ def test_time_cold_and_hot_and_the_comparison(kern):
 
 def test_int8_activation_kernel_against_its_rounded_reference():
     k8 = explore.kernel("int4-g64", k=192, n=70, target="host", activations="int8")
-    assert k8.steps()[-2].primitive == "tensorize"
+    primitives = [step.primitive for step in k8.steps()]
+    assert "tensorize" in primitives[-4:] and primitives[-1] == "annotate"  # the last: chunk claiming
     t = k8.time("analytic", cold=False, repeats=2)
     assert t.max_rel_err < 1e-5  # against int8-rounded activations @ dequantized weights
 
