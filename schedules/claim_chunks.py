@@ -16,6 +16,10 @@ the flags are plain loads and stores, which the compiler may only make staler (i
 the other threads), never invent; a stale clear flag, or two tasks testing the same flag in
 the same few cycles, means a chunk runs twice, which the idempotence check makes harmless.
 
+Cost: the flags' reset (E + 1 stores) and, per task, one read of every flag (E int32: a few
+cache lines, some written by other cores). Measured level with the fixed split on a 2-vCPU Zen 5
+(docs/bench_gemv_zen5.md); not measured on many cores, where that walk's misses grow with E.
+
 ``PIPELINE`` names TVM's default TIR pipeline followed by this pass (``tir_pipeline=`` of
 ``tvm.compile``); where a build uses TVM's own pipeline the mark is ignored and the split
 stays static.
