@@ -333,10 +333,9 @@ class Kernel:
 
     def _build(self, name: str, func: tvm.tirx.PrimFunc):
         if name not in self._built:
-            from schedules import tir_pipeline
+            from schedules import compile_func
 
-            self._built[name] = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                                            target=self.target, tir_pipeline=tir_pipeline(self.target))
+            self._built[name] = compile_func(func, self.target)
         return self._built[name]
 
     def source(self, name: str = "analytic") -> Code:

@@ -43,7 +43,13 @@ def schedule_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.t
 
 def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     """One kernel on its own, scheduled by its rule and compiled (benchmarks and tests)."""
-    return tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target,
+    return compile_func(schedule_kernel(func, target), target)
+
+
+def compile_func(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """A PrimFunc (scheduled or not) compiled on its own as ``main``, through the TIR pipeline
+    the family's artefacts get (``tir_pipeline``), so what runs is what ships."""
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target,
                        tir_pipeline=tir_pipeline(target))
 
 

@@ -158,10 +158,9 @@ def random_args(func: tirx.PrimFunc, binding: dict, rng: np.random.Generator) ->
 
 
 def _compile(func: tirx.PrimFunc, target):
-    from schedules import tir_pipeline
+    from schedules import compile_func
 
-    func = func.with_attr("global_symbol", "main")
-    return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline=tir_pipeline(target))["main"]
+    return compile_func(func, target)["main"]
 
 
 def _run(fn, args) -> list[np.ndarray]:

@@ -49,20 +49,25 @@ def int8_rounded_reference(x, fmt, qt):
     return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)
 
 
-def run_a8(target, fmt, qt, x, row_tile=None, lib=None):
-    """quantize_activations + the GEMV (row_tile None) or the row-tiled prefill kernel
-    (or ``lib``, a compiled kernel of the same kind)."""
+def a8_inputs(target, fmt, qt, x, row_tile=None) -> list:
+    """The int8 kernels' arguments but y: x quantized by the scheduled quantize_activations
+    kernel (rows padded to ``row_tile``), then the weights in the a8 layout."""
     tile = row_tile or 1
     quant = compile_scheduled(ops.quantize_activations_func(fmt, qt.k, tile), target)
-    if lib is None:
-        lib = compile_scheduled(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB) if row_tile is None
-                                else ops.qmatmul_a8_gemm_func(fmt, qt.k, qt.n, NB, row_tile), target)
     kp, groups = fmt.padded_k(qt.k), fmt.padded_k(qt.k) // fmt.group_size_for(qt.k)
-    m = x.shape[0]
-    mp = -(-m // tile) * tile
+    mp = -(-x.shape[0] // tile) * tile
     acts = [tvm.runtime.tensor(np.full(s, 99, d)) for s, d in  # padding rows must be written too
             (((mp, kp), np.int8), ((mp, kp // 32), np.float32), ((mp, groups), np.float32))]
     quant["main"](tvm.runtime.tensor(x), *acts)
-    y = tvm.runtime.tensor(np.full((m, qt.n), np.nan, np.float32))
-    lib["main"](*acts, *[tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)], y)
+    return acts + [tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)]
+
+
+def run_a8(target, fmt, qt, x, row_tile=None, lib=None):
+    """quantize_activations + the GEMV (row_tile None) or the row-tiled prefill kernel
+    (or ``lib``, a compiled kernel of the same kind)."""
+    if lib is None:
+        lib = compile_scheduled(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB) if row_tile is None
+                                else ops.qmatmul_a8_gemm_func(fmt, qt.k, qt.n, NB, row_tile), target)
+    y = tvm.runtime.tensor(np.full((x.shape[0], qt.n), np.nan, np.float32))
+    lib["main"](*a8_inputs(target, fmt, qt, x, row_tile), y)
     return y.numpy(), lib

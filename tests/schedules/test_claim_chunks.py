@@ -14,8 +14,8 @@ from tvm import s_tir, te, tirx
 
 from qtvm import lut_gemv, ops, ops_dense, ops_gemm
 from qtvm.formats import get_format
-from schedules import claim_chunks, schedule_kernel, tir_pipeline
-from tests.kernels import AVX2, NB
+from schedules import claim_chunks, compile_kernel, schedule_kernel, tir_pipeline
+from tests.kernels import AVX2, NB, a8_inputs, int8_rounded_reference
 
 INT4 = get_format("int4-g128")
 BCQ3 = get_format("bcq3-g128")
@@ -108,8 +108,7 @@ def _child() -> None:
     report = {"pools": []}
     for name in CHILD_KERNELS:
         func = KERNELS[name]()
-        lib = tvm.compile(tvm.IRModule({"main": schedule_kernel(func, AVX2)}), target=AVX2,
-                          tir_pipeline=tir_pipeline(AVX2))["main"]
+        lib = compile_kernel(func, AVX2)["main"]
         args, out_shape, want = _inputs(name, func, rng)
         results = []
         for threads in THREADS:
@@ -134,15 +133,7 @@ def _inputs(name, func, rng):
     if name != "a8_gemv":
         return ([tvm.runtime.tensor(x)] + [tvm.runtime.tensor(a) for a in ops.blocked_arrays(qt, NB)], (m, n),
                 x.astype(np.float64) @ qt.dequantize().astype(np.float64))
-    from tests.kernels import int8_rounded_reference
-
-    quant = tvm.compile(tvm.IRModule({"main": schedule_kernel(ops.quantize_activations_func(fmt, k, 1), AVX2)}),
-                        target=AVX2)["main"]
-    kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
-    acts = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (((m, kp), np.int8), ((m, kp // 32), np.float32),
-                                                             ((m, groups), np.float32))]
-    quant(tvm.runtime.tensor(x), *acts)
-    return acts + [tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)], (m, n), int8_rounded_reference(x, fmt, qt)
+    return a8_inputs(AVX2, fmt, qt, x), (m, n), int8_rounded_reference(x, fmt, qt)
 
 
 def test_every_thread_count_gives_the_same_bits():
