@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(MatMulNBits, DequantizeLinear, MatMulInteger) keep their own format")
     c.add_argument("--act", choices=("fp32", "int8", "fp16", "fp16-acc16"), default="fp32",
                    help="activation precision inside quantized matmuls: fp32 (exact), int8 (rounded per 32 "
-                        "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; `qtvm demo` reports its error), or "
+                        "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; BCQ formats: the decode GEMV, "
+                        "rounded per weight group, on AVX-512BW; `qtvm demo` reports its error), or "
                         "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk; "
                         "OpenCL: fp32 sums, and fp16-acc16 for fp16 sums per lane chunk)")
     c.add_argument("--max-length", type=int, metavar="N",

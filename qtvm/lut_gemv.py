@@ -29,7 +29,7 @@ from tvm import te, tirx
 
 from qtvm.errors import QtvmError
 from qtvm.formats.base import QuantFormat, QuantizedTensor
-from qtvm.ops import BLOCK_ACC, BLOCK_OUT, BLOCK_XSUM, FORMAT_ATTR, KERNEL_ATTR
+from qtvm.ops import BLOCK_ACC, BLOCK_OUT, BLOCK_XSUM, FORMAT_ATTR, KERNEL_ATTR, padded_reader
 
 KERNEL = "lut_gemv"
 MU = 8  # activations per table
@@ -54,10 +54,7 @@ def lut_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFun
               for name, rows in fmt.array_rows(k).items()}
     bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
 
-    def xk(i, kk):
-        if kp == k:
-            return x[i, kk]
-        return tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+    xk = padded_reader(x, k, kp)
 
     rj = te.reduce_axis((0, MU), name="j")
 
@@ -148,10 +145,7 @@ def lut16_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
               for name, rows in fmt.array_rows(k).items()}
     bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
 
-    def xk(i, kk):
-        if kp == k:
-            return x[i, kk]
-        return tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
+    xk = padded_reader(x, k, kp)
 
     rj = te.reduce_axis((0, MU16), name="j")
     lut = te.compute(
@@ -189,3 +183,105 @@ def lut16_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     func = te.create_prim_func([x, *stored.values(), y])
     info = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=q, mu=MU16)
     return func.with_attrs({KERNEL_ATTR: KERNEL16, FORMAT_ATTR: info})
+
+
+# -- int8 activations, 16-bit tables (``--act int8``: a user option, it rounds x) ------------
+KERNEL16_A8 = "lut16_a8_gemv"
+PAIRS = 4  # one 32-entry int16 table register holds chunk c (entries 0-15) and chunk c + 4 (16-31)
+A8_MAX_GROUP = 512  # 16-bit partials: per lane g/8 lookups of |entry| <= 4 * 127, so g <= 516
+
+
+def supports_lut16_a8(fmt: QuantFormat, k: int) -> bool:
+    """Whole 32-row blocks per group, and groups short enough for 16-bit partials."""
+    return supports_lut16(fmt, k) and fmt.group_size_for(k) <= A8_MAX_GROUP
+
+
+def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
+    """The 16-entry LUT GEMV on int8-rounded activations (one scale per weight group, as
+    MatMulNBits' accuracy level 4 rounds x per block): per row and group,
+
+        xd[i, g] = max |x| / 127,  xq = round(x / xd)  (int8)
+        lut[i, b, h, s, p] = sum_{j < 4} (bit j of p ? +xq : -xq)[i, 32 b + 4 (h + 4 s) + j]  (int16)
+        P[i, g, t, n, s] = sum_{b in g, h < 4} lut[i, b, h, s, nibble_{h + 4 s}(word_t(b, n))]  (int16, exact)
+        y[i, n] = sum_g xd[i, g] (sum_t alpha[g, t, n] (P[.., 0] + P[.., 1]) + bias[g, n] sum_{k in g} xq[i, k])
+
+    A table pair (h, .) is 32 int16, one zmm, so the x86 rule looks up 16 columns' chunk h
+    (low half-words) and chunk h + 4 (high half-words) with one ``vpermw``, into the 32
+    int16 partials (column, half) of one register, which stay 16-bit within a group
+    (``A8_MAX_GROUP``). So y = x_hat @ W exactly, x_hat the rounded activations. Same
+    arguments as ``lut16_gemv_func``."""
+    desc = fmt.describe()
+    if not supports_lut16_a8(fmt, k):
+        raise QtvmError(f"the int8-activation LUT GEMV needs a BCQ format with groups of whole 32-row blocks "
+                        f"of at most {A8_MAX_GROUP} rows, got '{fmt.name}' at K={k}",
+                        "use a bcqQ-gG preset with G a multiple of 32 up to 512, or --act fp32")
+    q = int(desc["planes"])
+    m = te.var("m", "int64")
+    kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
+    ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // 32, gs // 32
+    x = te.placeholder((m, k), "float32", name="x")
+    stored = {name: te.placeholder((nblk, rows, nb), fmt.array_dtype(name), name=name)
+              for name, rows in fmt.array_rows(k).items()}
+    bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
+
+    xk = padded_reader(x, k, kp)
+
+    ra = te.reduce_axis((0, gs), name="ra")
+    amax = te.compute((m, ngroups), lambda i, g: te.max(tirx.abs(xk(i, g * gs + ra)), axis=ra), name="amax")
+
+    def quant(i, kk):
+        a = amax[i, kk // gs]
+        inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
+        return tirx.max(tirx.min(tirx.round(xk(i, kk) * inv), 127.0), -127.0).astype("int8")
+
+    xq = te.compute((m, kp), quant, name="xq")
+    rj = te.reduce_axis((0, MU16), name="j")
+
+    def table(i, b, h, s, p):
+        v = xq[i, b * 32 + (h + PAIRS * s) * MU16 + rj].astype("int16")
+        return te.sum(tirx.Select(((p.astype("int32") >> rj.var.astype("int32")) & 1) == 1, v, -v), axis=rj)
+
+    lut = te.compute((m, blocks, PAIRS, 2, TABLE16), table, name=BLOCK_LUT)
+    # Partials per column and half (s = 0: chunks 0-3, s = 1: chunks 4-7) in int16, as the
+    # kernel keeps them: exact, since |sum| <= (g / 8) * 4 * 127 < 2^15 (A8_MAX_GROUP).
+    rb, rh, rp = (te.reduce_axis((0, bpg), name="b"), te.reduce_axis((0, PAIRS), name="h"),
+                  te.reduce_axis((0, TABLE16), name="p"))
+    partial = te.compute(
+        (m, ngroups, q, nblk * nb, 2),
+        lambda i, g, t, j, s: te.sum(
+            tirx.Select(((bits[j // nb, (g * bpg + rb) * q + t, j % nb] >> ((rh + PAIRS * s) * MU16).astype("int32"))
+                         & (TABLE16 - 1)) == rp.var.astype("int32"),
+                        lut[i, g * bpg + rb, rh, s, rp], tirx.const(0, "int16")),
+            axis=[rb, rh, rp]),
+        name=BLOCK_PARTIAL)
+    xb, xh, xs_ = (te.reduce_axis((0, bpg), name="xb"), te.reduce_axis((0, PAIRS), name="xh"),
+                   te.reduce_axis((0, 2), name="xs"))
+    qsum = te.compute((m, ngroups), lambda i, g: te.sum(
+        lut[i, g * bpg + xb, xh, xs_, TABLE16 - 1].astype("int32"), axis=[xb, xh, xs_]), name=BLOCK_XSUM)
+    rg = te.reduce_axis((0, ngroups), name="g")
+
+    def group_term(i, j):
+        total = bias[j // nb, rg, j % nb] * qsum[i, rg].astype("float32")
+        for t in range(q):
+            both = partial[i, rg, t, j, 0].astype("int32") + partial[i, rg, t, j, 1].astype("int32")
+            total = total + alpha[j // nb, rg * q + t, j % nb] * both.astype("float32")
+        return amax[i, rg] * tirx.const(1.0 / 127.0, "float32") * total
+
+    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
+    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
+    func = te.create_prim_func([x, *stored.values(), y])
+    info = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=q, mu=MU16, activations="int8")
+    return func.with_attrs({KERNEL_ATTR: KERNEL16_A8, FORMAT_ATTR: info})
+
+
+def reference_a8(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
+    """What ``lut16_a8_gemv_func`` computes, in numpy (float64): x rounded to int8 per
+    weight group (scale max|x| / 127), times the dequantized weight."""
+    kp, gs = qt.fmt.padded_k(qt.k), qt.fmt.group_size_for(qt.k)
+    xp = np.zeros((x.shape[0], kp), np.float32)
+    xp[:, : qt.k] = x
+    groups = xp.reshape(x.shape[0], -1, gs)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
+    xq = np.clip(np.round(groups * inv), -127, 127).astype(np.float64) * (amax.astype(np.float64) / 127)
+    return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)

@@ -114,7 +114,9 @@ class _Rewriter(PyExprMutator):
         if self.activations != "int8":
             return False
         if not ops.supports_int8_activations(fmt, k):
-            self.report.fp32_activation_fallbacks.append(f"{fmt.name} with K={k}")
+            decode = self.facts.lut16_a8_gemv(fmt, k)  # BCQ: the decode GEMV rounds x, prefill does not
+            self.report.fp32_activation_fallbacks.append(
+                f"{fmt.name} with K={k}" + (", prefill only (its decode GEMV is int8)" if decode else ""))
             return False
         if not self.facts.int8_activations:
             self.report.fp32_activation_fallbacks.append(f"target {self.target.kind.name} has no int8 dot")
@@ -177,6 +179,10 @@ class _Rewriter(PyExprMutator):
                 from qtvm.lut_gemv import lut_gemv_func
 
                 gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
+            elif self.activations == "int8" and self.facts.lut16_a8_gemv(fmt, k):  # x86 BCQ, int16 tables
+                from qtvm.lut_gemv import lut16_a8_gemv_func
+
+                gemv = self._kernel("lut16_a8_gemv", fmt, lambda: lut16_a8_gemv_func(fmt, k, n, nb), k, n)
             elif self.facts.lut16_gemv(fmt, k):  # x86 BCQ: table lookups beat dequantizing (schedules/x86_lut.py)
                 from qtvm.lut_gemv import lut16_gemv_func
 

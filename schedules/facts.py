@@ -37,6 +37,7 @@ class KernelFacts:
     parts_options: keyword arguments for a composite format's ``kernel_parts`` (the GPU
         runs mixed-2-4-16's 2-bit part on its stored second-order scales).
     lut16_gemv(fmt, k): whether a decode matmul runs the 16-entry LUT kernel (x86 BCQ).
+    lut16_a8_gemv(fmt, k): whether, with ``--act int8``, it runs the int16-table one instead.
     f16_accumulate: fp16 ``--act`` mode -> the dtype its decode GEMV sums each lane's chunk in
         (CUDA's ``fp16`` sums chunks in fp16; OpenCL's ``fp16`` in fp32, ``fp16-acc16`` in fp16).
     """
@@ -54,6 +55,7 @@ class KernelFacts:
     f16_activations: Callable = lambda fmt, k: False  # noqa: E731
     parts_options: dict = field(default_factory=dict)
     lut16_gemv: Callable = lambda fmt, k: False  # noqa: E731
+    lut16_a8_gemv: Callable = lambda fmt, k: False  # noqa: E731
     f16_accumulate: dict = field(default_factory=lambda: {"fp16": "float16"})
 
     def check_format(self, fmt, target_name: str) -> None:

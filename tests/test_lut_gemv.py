@@ -143,3 +143,73 @@ def test_lut16_needs_whole_blocks_and_a_vector_isa():
     assert prefer_lut16(get_format("bcq3-g128"), 1000, TARGET)
     assert not prefer_lut16(get_format("bcq3-g128"), 1000, tvm.target.Target({"kind": "llvm", "mcpu": "x86-64"}))
     assert schedule_lut16_gemv_x86(lut_gemv.lut_gemv_func(get_format("bcq2-g32"), 64, 8, NB), TARGET) is None
+
+
+# -- int8 activations: int16 table pairs (vpermw, AVX-512BW) -------------------------------
+from schedules.x86_lut import prefer_lut16_a8  # noqa: E402
+
+AVX512BW = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+HOST_AVX512BW = "avx512bw" in host_cpu_flags()
+
+
+def _a8_libs(func):
+    """The unscheduled kernel everywhere; the scheduled one (vpermw) where this CPU runs it."""
+    libs = {"unscheduled": tvm.compile(tvm.IRModule({"main": func}), target=TARGET)}
+    if HOST_AVX512BW:
+        libs["vpermw"] = compile_scheduled(func, AVX512BW)
+    return libs
+
+
+@pytest.mark.parametrize("fmt, k, n", [
+    (get_format("bcq3-g128"), 1000, 37), (get_format("bcq2-g32"), 300, 70), (get_format("bcq4-g64"), 256, 1),
+    (BCQFormat(1, 256), 1000, 5), (BCQFormat(3, None), 300, 17), (BCQFormat(2, None), 500, 19),
+], ids=lambda v: getattr(v, "name", v))
+def test_lut16_a8_kernel_matches_its_reference(fmt, k, n):
+    """x rounded to int8 per weight group, times the BCQ weight: exact to fp32 rounding
+    against ``reference_a8``, and within the rounding's error of the fp32 product."""
+    rng = np.random.default_rng(k + n)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    func = lut_gemv.lut16_a8_gemv_func(fmt, k, n, NB)
+    assert str(func.attrs[ops.KERNEL_ATTR]) == "lut16_a8_gemv" and str(func.attrs[ops.FORMAT_ATTR]["activations"]) == "int8"
+    for name, lib in _a8_libs(func).items():
+        for m in (1, 3):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            out = run_blocked(lib, x, qt)
+            assert rel_err(out, lut_gemv.reference_a8(x, qt)) < 1e-5, name
+            assert rel_err(out, x.astype(np.float64) @ qt.dequantize().astype(np.float64)) < 3e-2, name
+
+
+def test_lut16_a8_partials_do_not_overflow_at_the_largest_group():
+    """Every activation at its group's maximum and every bit set, in a group of 512 (one
+    per column): each 16-bit lane sums 64 entries of 4 * 127 = 32512, the most allowed."""
+    fmt, k, n = BCQFormat(1, None), lut_gemv.A8_MAX_GROUP, 16
+    qt = fmt.quantize(np.ones((k, n), np.float32))
+    x = np.full((1, k), 0.5, np.float32)
+    for name, lib in _a8_libs(lut_gemv.lut16_a8_gemv_func(fmt, k, n, NB)).items():
+        np.testing.assert_allclose(run_blocked(lib, x, qt), lut_gemv.reference_a8(x, qt), rtol=1e-6, err_msg=name)
+
+
+def test_lut16_a8_declines_long_groups_and_cpus_without_vpermw():
+    assert lut_gemv.supports_lut16_a8(get_format("bcq3-g128"), 4096)
+    assert lut_gemv.supports_lut16_a8(BCQFormat(3, None), 500)  # one group of 512 rows
+    assert not lut_gemv.supports_lut16_a8(BCQFormat(3, None), 1000)  # 1024: 16-bit partials could overflow
+    with pytest.raises(QtvmError, match="at most 512 rows"):
+        lut_gemv.lut16_a8_gemv_func(BCQFormat(2, None), 4096, 8, NB)
+    assert prefer_lut16_a8(get_format("bcq3-g128"), 4096, AVX512BW)
+    assert not prefer_lut16_a8(get_format("bcq3-g128"), 4096, TARGET)  # AVX2: no vpermw
+
+
+def test_lut16_a8_hot_loop_is_vpermw_with_prefetch():
+    """Per 32-row block, plane and 16 columns (one prefetch of the bit stream each): 4
+    vpermw lookups of two chunks, their 4 indices one vpternlog each; at a group's end a
+    few more permutes split the int16 partials' halves. No gathers, no scalar table reads."""
+    from collections import Counter
+
+    from qtvm.bench.asm_loops import hot_loop
+
+    lib = compile_scheduled(lut_gemv.lut16_a8_gemv_func(get_format("bcq3-g128"), 1024, 256, NB), AVX512BW)
+    mix = Counter(ins.split()[0] for ins in hot_loop(lib.mod.inspect_source("asm"), "vpermw"))
+    steps = mix["prefetcht1"]  # (block, plane, 16 columns) steps in the loop
+    assert steps >= 4 and mix["vpternlogq"] + mix["vpternlogd"] == 4 * steps
+    assert 4 * steps <= mix["vpermw"] < 5 * steps and mix["vpaddw"] >= 4 * steps
+    assert not any(op.startswith(("vgather", "vpextr", "movzwl")) for op in mix)

@@ -44,22 +44,26 @@ class QtvmGemv(peer_lib.Peer):
                 return compile_kernel(func, tgt)["main"]
 
             kp = fmt.padded_k(self.K)
-            if activations == "int8":
+            from qtvm import lut_gemv
+            from schedules.x86_lut import prefer_lut16, prefer_lut16_a8
+
+            if activations == "int8" and prefer_lut16_a8(fmt, self.K, tgt):  # BCQ: int16 tables
+                kernels, scratch = (build(lut_gemv.lut16_a8_gemv_func(fmt, self.K, self.N, nb)),), []
+                arrays = ops.blocked_arrays(qt, nb)
+            elif activations == "int8":
                 kernels = (build(ops.quantize_activations_func(fmt, self.K)),
                            build(ops.qmatmul_a8_func(fmt, self.K, self.N, nb)))
                 scratch = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (
                     ((1, kp), np.int8), ((1, kp // ops.ACT_BLOCK), np.float32),
                     ((1, kp // fmt.group_size_for(self.K)), np.float32))]
+                arrays = ops.a8_arrays(qt, nb)
             else:  # the GEMV the compiler picks: BCQ runs the 16-entry LUT kernel where it is faster
-                from qtvm.lut_gemv import lut16_gemv_func
-                from schedules.x86_lut import prefer_lut16
-
-                dense = lut16_gemv_func if prefer_lut16(fmt, self.K, tgt) else ops.qmatmul_func
+                dense = lut_gemv.lut16_gemv_func if prefer_lut16(fmt, self.K, tgt) else ops.qmatmul_func
                 kernels, scratch = (build(dense(fmt, self.K, self.N, nb)),), []
-            arrays = ops.a8_arrays(qt, nb) if activations == "int8" else ops.blocked_arrays(qt, nb)
-            _shared = (qt, arrays, kernels, scratch, activations)
+                arrays = ops.blocked_arrays(qt, nb)
+            _shared = (qt, arrays, kernels, scratch)
         self._shared = _shared
-        qt, arrays, _, _, _ = _shared
+        qt, arrays, _, _ = _shared
         self._weights = _weights_like_the_runtime(arrays)
         self.weight_bytes = int(sum(a.nbytes for a in arrays))
         self._x = tvm.runtime.tensor(np.zeros((1, self.K), np.float32))
@@ -70,8 +74,8 @@ class QtvmGemv(peer_lib.Peer):
         self._x = self._tensor(x.reshape(1, -1).astype(np.float32))
 
     def run(self) -> None:
-        _, _, kernels, scratch, activations = self._shared
-        if activations == "int8":
+        _, _, kernels, scratch = self._shared
+        if len(kernels) == 2:  # quantize the activations, then the int8 GEMV
             kernels[0](self._x, *scratch)
             kernels[1](*scratch, *self._weights, self._y)
         else:
@@ -101,6 +105,15 @@ def _weights_like_the_runtime(arrays) -> list:
         return [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]  # a device copy each
 
 
+def int8_activations(fmt, k: int, target: str = "host") -> bool:
+    """Whether qtvm has an int8-activation GEMV for ``fmt`` on ``target``."""
+    from qtvm import ops
+    from qtvm.target import parse_target
+    from schedules.x86_lut import prefer_lut16_a8
+
+    return ops.supports_int8_activations(fmt, k) or prefer_lut16_a8(fmt, k, parse_target(target))
+
+
 def register(formats, activations=("fp32",), target: str = "host") -> list[str]:
     """Add qtvm kernels to the peer registry; returns their names."""
     names = []
@@ -127,7 +140,7 @@ def benchmark_child(shapes, threads: int, formats, activations, peers, rounds: i
     results = []
     for i, preset in enumerate(formats):
         k_min = min(int(k) for k, _ in shapes)
-        acts = [a for a in activations if a == "fp32" or ops.supports_int8_activations(get_format(preset), k_min)]
+        acts = [a for a in activations if a == "fp32" or int8_activations(get_format(preset), k_min, target)]
         names = register([preset], acts, target)
         out = peer_lib.benchmark_peers(shapes, threads, [*names, *(peers if i == 0 else ())],
                                        group_size=group_size, rounds=rounds, reference_bw=reference_bw)

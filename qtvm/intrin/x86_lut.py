@@ -99,3 +99,65 @@ def _make(isa: str, prefetch: int):
             chains[ch % 2] = chains[ch % 2] + _lookup(isa, lanes, lo, hi, idx)
         stmts.append(tirx.BufferStore(C, chains[0] + chains[1], [tirx.Ramp(tirx.const(v * lanes, "int32"), 1, lanes)]))
     return desc, _with_block_body(skeleton, stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts))
+
+
+# -- int8 activations: int16 table pairs, one vpermw per two chunks (AVX-512BW) ------------
+PAIRS = 4
+A8_NAME = f"qtvm_lut16_i16x{2 * COLS}_avx512bw"
+
+
+def _make_a8():
+    """One 32-row block of one plane and 16 columns into their 32 int16 partials (column j's
+    chunks 0-3 in half-word 2 j, chunks 4-7 in 2 j + 1: one register). The 16 words are 32
+    half-words: after ``words >> 4 h`` the low half of column j's word holds nibble h, the
+    high half nibble h + 4; ``& 0x000F000F | 0x00100000`` (one vpternlogd) makes them the
+    indices of entries h and 16 + (h + 4) in table pair h, so one vpermw looks up both."""
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, w: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (PAIRS, 2, TABLE), "int16", offset_factor=1)
+        W = T.match_buffer(w, (COLS,), "int32", offset_factor=1)
+        C = T.match_buffer(c, (COLS, 2), "int16", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(C[0:COLS, 0:2], W[0:COLS], A[0:PAIRS, 0:2, 0:TABLE])
+            T.writes(C[0:COLS, 0:2])
+            for j, s, h, p in T.grid(COLS, 2, PAIRS, TABLE):
+                with T.sblock("update"):
+                    vj, vs, vh, vp = T.axis.remap("SSRR", [j, s, h, p])
+                    C[vj, vs] = C[vj, vs] + T.Select(
+                        T.bitwise_and(T.shift_right(W[vj], (vh + vs * 4) * 4), 15) == vp, A[vh, vs, vp], T.int16(0))
+
+    @T.prim_func(s_tir=True)
+    def skeleton(a: T.handle, w: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (PAIRS, 2, TABLE), "int16", offset_factor=1)
+        W = T.match_buffer(w, (COLS,), "int32", offset_factor=1)
+        C = T.match_buffer(c, (COLS, 2), "int16", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(C[0:COLS, 0:2], W[0:COLS], A[0:PAIRS, 0:2, 0:TABLE])
+            T.writes(C[0:COLS, 0:2])
+            T.evaluate(0)  # replaced below
+
+    from qtvm.intrin.x86 import _with_block_body
+
+    A, W, C = skeleton.params
+    lanes16 = 2 * COLS
+    words = W.vload([0], f"int32x{COLS}")
+    low_nibbles = T.broadcast(T.int32(0x000F000F), COLS)
+    high_pair = T.broadcast(T.int32(0x00100000), COLS)
+    acc = C.vload([0, 0], f"int16x{lanes16}")
+    for h in range(PAIRS):
+        shifted = words if h == 0 else T.shift_right(words, T.broadcast(T.int32(4 * h), COLS))
+        idx = T.reinterpret(T.bitwise_or(T.bitwise_and(shifted, low_nibbles), high_pair), dtype=f"int16x{lanes16}")
+        acc = acc + T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.hi.512"),
+                                            A.vload([h, 0, 0], f"int16x{lanes16}"), idx, dtype=f"int16x{lanes16}")
+    body = tirx.SeqStmt([_prefetch_line(W[PREFETCH_WORDS]),
+                         tirx.BufferStore(C, acc, [tirx.const(0, "int32"), tirx.Ramp(tirx.const(0, "int32"), 1, lanes16)])])
+    return desc, _with_block_body(skeleton, body)
+
+
+def register_a8() -> str:
+    try:
+        s_tir.TensorIntrin.get(A8_NAME)
+    except Exception:  # not registered yet
+        s_tir.TensorIntrin.register(A8_NAME, *_make_a8())
+    return A8_NAME

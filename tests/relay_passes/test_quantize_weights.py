@@ -102,6 +102,40 @@ def test_fp16_activations_are_named_where_a_target_has_none():
 
 
 @pytest.mark.parametrize("preset", ["bcq3-g32", "bcq2-g64"])
+def test_bcq_gemv_with_int8_activations_runs_the_int16_table_kernel(preset):
+    """With ``--act int8`` on AVX-512BW, BCQ decode matmuls take the int16-table LUT kernel
+    and prefill keeps the exact GEMM (noted as an fp32 fallback). Where this CPU runs
+    AVX-512: decode within the rounding's error of onnxruntime's dequantized model, prefill
+    exact; elsewhere the kernel choice is checked and the AVX2 target keeps fp32 tables."""
+    from qtvm.hostinfo import host_cpu_flags
+
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    model = mlp_model()
+
+    def kinds(target):
+        mod, report = quantize_weights(import_onnx(model), get_format(preset), target, activations="int8")
+        return mod, report, {str(f.attrs["qtvm.kernel"]) for _, f in mod.functions_items()
+                             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and "qtvm.kernel" in f.attrs}
+
+    mod, report, found = kinds(avx512)
+    assert found == {"lut16_a8_gemv", "qmatmul_gemm"}
+    assert sorted(report.fp32_activation_fallbacks) == [
+        f"{preset} with K={k}, prefill only (its decode GEMV is int8)" for k in (100, 70)]
+    assert kinds(TARGET)[2] == {"lut16_gemv", "qmatmul_gemm"}
+    if "avx512bw" not in host_cpu_flags():
+        return
+    vm = relax.VirtualMachine(tvm.compile(mod, target=avx512), tvm.cpu())
+    session = ort.InferenceSession(dequantized_model(model, get_format(preset)).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    for rows, tol in ((1, 3e-2), (2, 3e-2), (3, 1e-5), (67, 1e-5)):  # GEMV up to gemv_max_rows
+        x = np.random.default_rng(rows).standard_normal((rows, 100)).astype(np.float32)
+        y, _ = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
+        ref = session.run(None, {"x": x})[0]
+        err = np.abs(y - ref).max() / np.abs(ref).max()
+        assert err < tol and (tol < 1e-4 or err > 1e-6), (rows, err)  # the decode rows are rounded
+
+
+@pytest.mark.parametrize("preset", ["bcq3-g32", "bcq2-g64"])
 def test_bcq_gemv_runs_the_lut16_kernel(preset):
     """BCQ decode matmuls take the 16-entry LUT kernel (schedules.x86_lut.prefer_lut16);
     prefill keeps the dequantize-once GEMM; both sides match onnxruntime's dequantized model."""
