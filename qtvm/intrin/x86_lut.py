@@ -103,10 +103,9 @@ def _make(isa: str, prefetch: int):
 
 # -- int8 activations: int16 table pairs, one vpermw per two chunks (AVX-512BW) ------------
 PAIRS = 4
-A8_NAME = f"qtvm_lut16_i16x{2 * COLS}_avx512bw"
 
 
-def _make_a8():
+def _make_a8(prefetch: int):
     """One 32-row block of one plane and 16 columns into their 32 int16 partials (column j's
     chunks 0-3 in half-word 2 j, chunks 4-7 in 2 j + 1: one register). The 16 words are 32
     half-words: after ``words >> 4 h`` the low half of column j's word holds nibble h, the
@@ -150,14 +149,25 @@ def _make_a8():
         idx = T.reinterpret(T.bitwise_or(T.bitwise_and(shifted, low_nibbles), high_pair), dtype=f"int16x{lanes16}")
         acc = acc + T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.hi.512"),
                                             A.vload([h, 0, 0], f"int16x{lanes16}"), idx, dtype=f"int16x{lanes16}")
-    body = tirx.SeqStmt([_prefetch_line(W[PREFETCH_WORDS]),
+    body = tirx.SeqStmt([_prefetch_line(W[prefetch]),
                          tirx.BufferStore(C, acc, [tirx.const(0, "int32"), tirx.Ramp(tirx.const(0, "int32"), 1, lanes16)])])
     return desc, _with_block_body(skeleton, body)
 
 
-def register_a8() -> str:
+# Its prefetch distance, words ahead: 4 KiB. Measured on Zen 5 (bcq3-g128, one thread,
+# weights DRAM-cold, in-process A/B, medians of 9; 4096^2 / 4096x11008 / 11008x4096):
+# none 266 / 748 / 736 us, 2 KiB 261 / 677 / 722, 3 KiB 250 / 666 / 696, 4 KiB 243 / 634 / 682,
+# 6 KiB 263-282 / 755 / 753-806, 9-12 KiB ~300 / - / ~835. The fp32 kernel, slower per line,
+# wants its lines further ahead.
+A8_PREFETCH_WORDS = 1024
+
+
+def register_a8(prefetch: int | None = None) -> str:
+    """The int16 lookup's name, registered on first use; ``prefetch``: words ahead (None: the default)."""
+    words = A8_PREFETCH_WORDS if prefetch is None else prefetch
+    name = f"qtvm_lut16_i16x{2 * COLS}_avx512bw" + ("" if words == A8_PREFETCH_WORDS else f"_pf{words}")
     try:
-        s_tir.TensorIntrin.get(A8_NAME)
+        s_tir.TensorIntrin.get(name)
     except Exception:  # not registered yet
-        s_tir.TensorIntrin.register(A8_NAME, *_make_a8())
-    return A8_NAME
+        s_tir.TensorIntrin.register(name, *_make_a8(words))
+    return name
