@@ -80,12 +80,48 @@ def lut16_isa(target: tvm.target.Target) -> str:
     return ""
 
 
+def _tables_at_root(sch: s_tir.Schedule) -> None:
+    """The LUT stage of a 16-entry kernel: parallel over 32-row blocks, the 16 entries as
+    vector lanes, its 4-activation sum unrolled around them."""
+    lut = sch.get_sblock(lut_gemv.BLOCK_LUT)
+    _, b, *tables, p, j = sch.get_loops(lut)
+    sch.reorder(b, *tables, j, p)
+    sch.parallel(b)
+    sch.vectorize(p)
+    sch.decompose_reduction(lut, j)
+
+
+def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool) -> s_tir.Schedule:
+    """Parallel over column blocks; per group, block and plane, ``intrin_name`` replaces the
+    16-column lookup nest of the partials (kept in registers: stack allocas), walking the
+    bit stream in storage order; then alphas and bias fold them into the output accumulator.
+    ``halves``: the partials have a (column, half) axis after the column (int16 tables)."""
+    from qtvm.intrin import x86_lut as intrin
+
+    acc_g, _ = tile_columns_then_groups(sch, desc, int(desc["col_block"]), scope="global")
+    part = sch.get_sblock(lut_gemv.BLOCK_PARTIAL)
+    sch.compute_at(part, acc_g)
+    loops = sch.get_loops(part)
+    inner = loops[-2:]  # chunk (or chunk pair) and table entry
+    pb = [loops[-3]] if int(desc["group"]) // 32 > 1 else []  # compute_at drops unit block and plane loops
+    outer = loops[: len(loops) - 2 - len(pb)]
+    half = [outer[-1]] if halves else []
+    pj = outer[-1 - len(half)]
+    plane = [outer[-2 - len(half)]] if int(desc["planes"]) > 1 else []
+    jo, ji = sch.split(pj, [None, intrin.COLS])
+    sch.reorder(*pb, *plane, jo, ji, *half, *inner)
+    sch.decompose_reduction(part, (pb + plane + [jo])[0])
+    sch.tensorize(ji, intrin_name)
+    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_ACC))[-1])
+    sch.decompose_reduction(sch.get_sblock(ops.BLOCK_ACC), acc_g)
+    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
+    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
+    return sch
+
+
 def schedule_lut16_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    """The 16-entry LUT GEMV (``qtvm.lut_gemv.lut16_gemv_func``): tables at the root (parallel
-    over blocks, the 16 entries as vector lanes); parallel over column blocks; per group,
-    block and plane, one TensorIntrin looks up 16 columns' 8 nibbles (``qtvm.intrin.x86_lut``),
-    the partials in registers (stack allocas); then alphas and bias fold them into the
-    output accumulator."""
+    """The 16-entry LUT GEMV (``qtvm.lut_gemv.lut16_gemv_func``): tables at the root, then one
+    TensorIntrin per (block, plane, 16 columns) looks up the 8 nibbles (``qtvm.intrin.x86_lut``)."""
     from qtvm.intrin import x86_lut as intrin
 
     if (target.kind.name != "llvm" or func.attrs is None
@@ -94,33 +130,9 @@ def schedule_lut16_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) 
     isa = lut16_isa(target)
     if not isa:
         return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    nb, planes = int(desc["col_block"]), int(desc["planes"])
     sch = s_tir.Schedule(func)
-    lut = sch.get_sblock(lut_gemv.BLOCK_LUT)
-    _, b, c, p, j = sch.get_loops(lut)
-    sch.reorder(b, c, j, p)
-    sch.parallel(b)
-    sch.vectorize(p)
-    sch.decompose_reduction(lut, j)
-
-    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb, scope="global")
-    part = sch.get_sblock(lut_gemv.BLOCK_PARTIAL)
-    sch.compute_at(part, acc_g)
-    loops = sch.get_loops(part)
-    blocks = int(desc["group"]) // 32 > 1  # compute_at drops unit block and plane loops
-    pb = [loops[-3]] if blocks else []
-    pj, pc, pp = loops[-4 if blocks else -3], loops[-2], loops[-1]
-    plane = [loops[-5 if blocks else -4]] if planes > 1 else []
-    jo, ji = sch.split(pj, [None, intrin.COLS])
-    sch.reorder(*pb, *plane, jo, ji, pc, pp)
-    sch.decompose_reduction(part, (pb + plane + [jo])[0])
-    sch.tensorize(ji, intrin.intrin_name(isa))
-    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_ACC))[-1])
-    sch.decompose_reduction(sch.get_sblock(ops.BLOCK_ACC), acc_g)
-    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
-    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
-    return sch
+    _tables_at_root(sch)
+    return _lookups(sch, func.attrs[ops.FORMAT_ATTR], intrin.intrin_name(isa), halves=False)
 
 
 def lut16_a8_isa(target: tvm.target.Target) -> bool:
@@ -132,49 +144,24 @@ def lut16_a8_isa(target: tvm.target.Target) -> bool:
 
 
 def schedule_lut16_a8_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    """The int8-activation LUT GEMV (``qtvm.lut_gemv.lut16_a8_gemv_func``): x's group maxima,
-    its int8 rounding and the int16 table pairs at the root (parallel, vectorised); then as
-    ``schedule_lut16_gemv_x86``, one TensorIntrin per (block, plane, 16 columns) adding into
-    that plane's 32 int16 partials (``qtvm.intrin.x86_lut.register_a8``)."""
+    """The int8-activation LUT GEMV (``qtvm.lut_gemv.lut16_a8_gemv_func``): x's group maxima and
+    its int8 rounding at the root (parallel, vectorised), the int16 table pairs as the fp32
+    tables; then one TensorIntrin per (block, plane, 16 columns) adds 4 vpermw lookups into the
+    plane's 32 int16 partials (``qtvm.intrin.x86_lut.register_a8``)."""
     from qtvm.intrin import x86_lut as intrin
 
     if (target.kind.name != "llvm" or func.attrs is None
             or str(func.attrs.get(ops.KERNEL_ATTR, "")) != lut_gemv.KERNEL16_A8 or not lut16_a8_isa(target)):
         return None
-    desc = func.attrs[ops.FORMAT_ATTR]
-    nb, planes, bpg = int(desc["col_block"]), int(desc["planes"]), int(desc["group"]) // 32
     sch = s_tir.Schedule(func)
     amax = sch.get_sblock("amax")
     sch.parallel(sch.get_loops(amax)[1])
     xq = sch.get_sblock("xq")
-    _, kk = sch.get_loops(xq)
-    ko, ki = sch.split(kk, [None, 64])
+    ko, ki = sch.split(sch.get_loops(xq)[1], [None, 64])
     sch.parallel(ko)
     sch.vectorize(ki)
-    lut = sch.get_sblock(lut_gemv.BLOCK_LUT)
-    _, b, h, s, p, j = sch.get_loops(lut)
-    sch.reorder(b, h, s, j, p)
-    sch.parallel(b)
-    sch.vectorize(p)
-    sch.decompose_reduction(lut, j)
-
-    acc_g, _ = tile_columns_then_groups(sch, desc, nb, scope="global")
-    part = sch.get_sblock(lut_gemv.BLOCK_PARTIAL)
-    sch.compute_at(part, acc_g)
-    loops = sch.get_loops(part)
-    blocks = bpg > 1  # compute_at drops unit block and plane loops
-    pb = [loops[-3]] if blocks else []
-    pj, ps, ph, pp = loops[-5 if blocks else -4], loops[-4 if blocks else -3], loops[-2], loops[-1]
-    plane = [loops[-6 if blocks else -5]] if planes > 1 else []
-    jo, ji = sch.split(pj, [None, intrin.COLS])
-    sch.reorder(*pb, *plane, jo, ji, ps, ph, pp)  # the bit stream in order, as the fp32 kernel
-    sch.decompose_reduction(part, (pb + plane + [jo])[0])
-    sch.tensorize(ji, intrin.register_a8())
-    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_ACC))[-1])
-    sch.decompose_reduction(sch.get_sblock(ops.BLOCK_ACC), acc_g)
-    sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
-    claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
-    return sch
+    _tables_at_root(sch)
+    return _lookups(sch, func.attrs[ops.FORMAT_ATTR], intrin.register_a8(), halves=True)
 
 
 def prefer_lut16(fmt, k: int, target: tvm.target.Target) -> bool:
