@@ -9,7 +9,8 @@ at int4-g128) does not fit in any L3, so decoding streams the weights from DRAM 
 Engines, all on the same exported model:
 
 * ``qtvm int4-g128`` (fp32 activations) and ``qtvm int4-g128 --act int8``: the artefact's
-  in-place KV-cache step (``qtvm.generate``);
+  in-place KV-cache step (``qtvm.generate``); on request (``--engines``) the same for
+  ``bcq3-g128`` (LUT-GEMM decode);
 * ``ort fp32``: onnxruntime on the exported model;
 * ``ort int4 (MatMulNBits acc=4)``: onnxruntime on the model quantized by its own
   ``MatMulNBitsQuantizer`` (block 128, with zero points, accuracy_level 4: int8
@@ -39,9 +40,13 @@ import numpy as np
 from qtvm.models.hf_cache import flat_cache_module
 
 DEFAULT = {"hidden": 2048, "layers": 8, "intermediate": 5632, "vocab": 32000, "heads": 32, "kv_heads": 4}
-ENGINES = ("qtvm-int4", "qtvm-int4-a8", "ort-fp32", "ort-int4")
-LABELS = {"qtvm-int4": "qtvm int4-g128", "qtvm-int4-a8": "qtvm int4-g128 --act int8", "ort-fp32": "ort fp32",
-          "ort-int4": "ort int4 (MatMulNBits acc=4)"}
+#: qtvm engines: (--quant, --act) of their artefact. BCQ (LUT-GEMM decode) on request only.
+QTVM_BUILDS = {"qtvm-int4": ("int4-g128", "fp32"), "qtvm-int4-a8": ("int4-g128", "int8"),
+               "qtvm-bcq3": ("bcq3-g128", "fp32"), "qtvm-bcq3-a8": ("bcq3-g128", "int8")}
+ENGINES = (*QTVM_BUILDS, "ort-fp32", "ort-int4")
+DEFAULT_ENGINES = ("qtvm-int4", "qtvm-int4-a8", "ort-fp32", "ort-int4")
+LABELS = {**{name: f"qtvm {quant}" + (" --act int8" if act == "int8" else "") for name, (quant, act) in QTVM_BUILDS.items()},
+          "ort-fp32": "ort fp32", "ort-int4": "ort int4 (MatMulNBits acc=4)"}
 
 
 # -- the model and its variants (cached) --------------------------------------------------
@@ -142,17 +147,17 @@ def prepare(cfg: dict, cache_dir: Path, engines, log=print) -> dict:
             log(f"quantized {path} (MatMulNBitsQuantizer) in {time.perf_counter() - t0:.0f} s")
         files["ort-int4"] = path
     src = source_key()
-    for engine, act in (("qtvm-int4", "fp32"), ("qtvm-int4-a8", "int8")):
+    for engine, (quant, act) in QTVM_BUILDS.items():
         if engine not in engines:
             continue
-        path = cache_dir / f"llama_{key}_int4-g128_{act}_{src}.so"
+        path = cache_dir / f"llama_{key}_{quant}_{act}_{src}.so"
         if not path.exists():
             from qtvm.pipeline import compile_model
             from qtvm.quiet import tvm_output_captured
 
             t0 = time.perf_counter()
             with tvm_output_captured():
-                result = compile_model(onnx_path, path, "host", "int4-g128", act)
+                result = compile_model(onnx_path, path, "host", quant, act)
             if not result.metadata.get("kv_step"):
                 raise RuntimeError(f"{path}: no in-place KV-cache step ({'; '.join(result.notes)})")
             log(f"compiled {path} in {time.perf_counter() - t0:.0f} s")
@@ -308,7 +313,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run(cfg: dict, cache_dir: Path, engines=ENGINES, threads=(1, 2), prompt: int = 128, decode: int = 64,
+def run(cfg: dict, cache_dir: Path, engines=DEFAULT_ENGINES, threads=(1, 2), prompt: int = 128, decode: int = 64,
         rounds: int = 3, json_path: Path | None = None, huge_pages: bool = True) -> list[dict]:
     from qtvm.bench import harness
 
@@ -351,7 +356,8 @@ def add_e2e_parser(bsub) -> None:
     p.add_argument("--decode", type=int, default=64, help="decoded tokens per generation (default 64)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma list of {', '.join(ENGINES)} (default: {', '.join(DEFAULT_ENGINES)})")
     p.add_argument("--cache-dir", type=Path, default=Path("out/e2e_cache"),
                    help="exports, quantized models and artefacts, reused by later runs")
     p.add_argument("--json", type=Path, default=Path("out/bench_e2e.json"))

@@ -44,3 +44,16 @@ def test_e2e_bad_options(capsys):
     assert "must be a multiple of --heads" in capsys.readouterr().err
     assert main(["bench", "e2e", "--engines", "ort-fp32,llama.cpp"]) == 2
     assert "unknown engines: llama.cpp" in capsys.readouterr().err
+
+
+def test_e2e_bcq_engines_on_request(tmp_path, capsys):
+    """The BCQ builds (LUT-GEMM decode; ``--act int8``: int16 tables where the CPU has
+    AVX-512BW, else fp32 tables with a note) generate and agree with onnxruntime fp32."""
+    args = [a if a != "qtvm-int4,ort-fp32,ort-int4" else "qtvm-bcq3,qtvm-bcq3-a8,ort-fp32" for a in TINY]
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", *args, "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]) == 0
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"qtvm-bcq3", "qtvm-bcq3-a8", "ort-fp32"}
+    assert [rows[e]["label"] for e in ("qtvm-bcq3", "qtvm-bcq3-a8")] == ["qtvm bcq3-g128", "qtvm bcq3-g128 --act int8"]
+    for name in ("qtvm-bcq3", "qtvm-bcq3-a8"):
+        assert rows[name]["decode_tok_s"] > 0 and 0.9 < rows[name]["logits_cosine_vs_ort_fp32"] <= 1.0 + 1e-6
