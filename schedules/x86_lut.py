@@ -179,5 +179,6 @@ def prefer_lut16_a8(fmt, k: int, target: tvm.target.Target) -> bool:
     (AVX-512BW): half the lookups of the fp32 tables and half their size. Measured (bcq3-g128,
     Zen 5): 1.75x the fp32 kernel's cache-hot throughput; weights DRAM-cold, one thread
     level, level and 1.48x on the LLaMA shapes 4096^2, 4096x11008, 11008x4096 (two threads
-    level, 1.09x, 1.2x): it is never slower, and ahead where the fp32 tables crowd L2."""
+    level, 1.09x, 1.2x): not slower on any shape measured, and ahead where the fp32 kernel's
+    cold rate drops (K = 6144, 11008, 22016)."""
     return target.kind.name == "llvm" and lut_gemv.supports_lut16_a8(fmt, k) and lut16_a8_isa(target)

@@ -46,8 +46,8 @@ def _lookup(isa: str, lanes: int, table_lo, table_hi, idx):
 # ahead; a column block's rows are contiguous): 6 KiB, into L2. Measured on Zen 5 (bcq3-g128,
 # one thread, weights DRAM-cold, in-process A/B, medians of 9): none / 4 / 6 / 8 KiB ahead:
 # 4096x4096 373 / 279 / 271 / 270 us, 4096x11008 998 / 928 / 699 / 905, 11008x4096 1016 /
-# 1006 / 1018 / 996 (level: its 176 KiB of tables per column block compete in L2); 12 KiB
-# ahead 460 us at 4096x4096 (lines evicted before use).
+# 1006 / 1018 / 996 (level: at K = 6144, 11008, 22016 this kernel runs ~20 GB/s cold whatever
+# the distance, docs/bench_gemv_zen5.md); 12 KiB ahead 460 us at 4096x4096.
 PREFETCH_WORDS = 1536
 
 
