@@ -352,9 +352,10 @@ def test_interrupted_tuning_keeps_records_and_resumes(cluster, model, tmp_path):
     after = _records(db)
     assert after[:len(kept)] == kept  # every earlier record kept as it was
     dbo = tune.open_database(db, create=False)
-    # Two more trials measured (counted below); MetaSchedule's mutations can land on a knob
-    # setting an earlier run measured through a different trace, so distinct settings grow by 1 or 2.
-    assert before + 1 <= sum(tune._measured_before(dbo, tasks, target).values()) <= before + 2
+    # Two more trials measured (counted below); MetaSchedule's mutations can land on knob
+    # settings an earlier run measured through a different trace (the space is small; a CI run's
+    # first pass had measured 8 distinct settings), so distinct settings grow by 0-2.
+    assert before <= sum(tune._measured_before(dbo, tasks, target).values()) <= before + 2
     # New in the second run: the 2 missing trials and the final confirmation of the analytic
     # and the best tuned schedule (2 rounds x 5 timings each); the analytic schedule, measured
     # by the first run, is not seeded again.
