@@ -12,8 +12,10 @@ prefetchers alone left it at 51-58% of the read bandwidth.
 """
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.script import tirx as T
+
+from qtvm.intrin.x86 import _register, _with_block_body
 
 COLS, CHUNKS, TABLE = 16, 8, 16
 ISAS = {"avx512": 16, "avx2": 8}  # isa -> fp32 lanes
@@ -23,10 +25,7 @@ def intrin_name(isa: str, prefetch: int | None = None) -> str:
     """The lookup's name, registered on first use; ``prefetch``: words ahead (None: the default)."""
     words = PREFETCH_WORDS if prefetch is None else prefetch
     name = f"qtvm_lut16_f32x{COLS}_{isa}" + ("" if words == PREFETCH_WORDS else f"_pf{words}")
-    try:
-        s_tir.TensorIntrin.get(name)
-    except Exception:  # not registered yet
-        s_tir.TensorIntrin.register(name, *_make(isa, words))
+    _register(name, lambda: _make(isa, words))
     return name
 
 
@@ -85,8 +84,6 @@ def _make(isa: str, prefetch: int):
             T.writes(C[0:COLS])
             T.evaluate(0)  # replaced below
 
-    from qtvm.intrin.x86 import _with_block_body
-
     A, W, C = skeleton.params
     stmts = [_prefetch_line(W[prefetch])] if prefetch else []  # the call's 16 words: one line
     for v in range(COLS // lanes):
@@ -136,8 +133,6 @@ def _make_a8(prefetch: int):
             T.writes(C[0:COLS, 0:2])
             T.evaluate(0)  # replaced below
 
-    from qtvm.intrin.x86 import _with_block_body
-
     A, W, C = skeleton.params
     lanes16 = 2 * COLS
     words = W.vload([0], f"int32x{COLS}")
@@ -166,8 +161,5 @@ def register_a8(prefetch: int | None = None) -> str:
     """The int16 lookup's name, registered on first use; ``prefetch``: words ahead (None: the default)."""
     words = A8_PREFETCH_WORDS if prefetch is None else prefetch
     name = f"qtvm_lut16_i16x{2 * COLS}_avx512bw" + ("" if words == A8_PREFETCH_WORDS else f"_pf{words}")
-    try:
-        s_tir.TensorIntrin.get(name)
-    except Exception:  # not registered yet
-        s_tir.TensorIntrin.register(name, *_make_a8(words))
+    _register(name, lambda: _make_a8(words))
     return name
