@@ -23,8 +23,6 @@ column-blocked BCQ arrays, y), for a symbolic M; schedule rules find it by the
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import tvm
 from tvm import te, tirx
@@ -39,6 +37,14 @@ TABLE = 1 << MU
 BLOCK_LUT, BLOCK_PARTIAL = "lut", "lut_partial"
 
 
+def _inputs(fmt: QuantFormat, k: int, n: int, nb: int):
+    """``qmatmul_func``'s arguments for a symbolic M: (m, x, x read with zeros past K, the
+    column-blocked BCQ arrays by name)."""
+    m = te.var("m", "int64")
+    x = te.placeholder((m, k), "float32", name="x")
+    return m, x, padded_reader(x, k, fmt.padded_k(k)), weight_inputs(fmt, k, n, nb)[0]
+
+
 def lut_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
     """PrimFunc(x[m, k], bits, alpha, bias (column-blocked), y[m, n]) for a BCQ format."""
     desc = fmt.describe()
@@ -46,16 +52,12 @@ def lut_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFun
         raise QtvmError(f"the LUT GEMV kernel needs a BCQ format, got '{fmt.name}'", "use a bcqQ-gG preset")
     q = int(desc["planes"])
     words_per_chunk = 32 // MU  # bytes (tables) per packed word
-    m = te.var("m", "int64")
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     if gs % MU:
         raise QtvmError(f"LUT GEMV needs groups of a multiple of {MU} rows, got {gs}")
     ngroups, nblk, nchunks, cpg = kp // gs, -(-n // nb), kp // MU, gs // MU
-    x = te.placeholder((m, k), "float32", name="x")
-    stored, _ = weight_inputs(fmt, k, n, nb)
+    m, x, xk, stored = _inputs(fmt, k, n, nb)
     bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
-
-    xk = padded_reader(x, k, kp)
 
     rj = te.reduce_axis((0, MU), name="j")
 
@@ -124,25 +126,6 @@ def supports_lut16(fmt: QuantFormat, k: int) -> bool:
     return fmt.describe().get("family") == "bcq" and fmt.group_size_for(k) % 32 == 0
 
 
-class _Lut16Args(NamedTuple):
-    """What both 16-entry kernels start from: ``qmatmul_func``'s arguments for a symbolic M."""
-    planes: int
-    m: tirx.Var
-    kp: int
-    gs: int
-    x: te.Tensor
-    xk: object  # x[i, kk] with zeros past K
-    stored: dict
-
-    @staticmethod
-    def make(fmt: QuantFormat, k: int, n: int, nb: int) -> "_Lut16Args":
-        m = te.var("m", "int64")
-        x = te.placeholder((m, k), "float32", name="x")
-        kp = fmt.padded_k(k)
-        return _Lut16Args(int(fmt.describe()["planes"]), m, kp, fmt.group_size_for(k), x, padded_reader(x, k, kp),
-                          weight_inputs(fmt, k, n, nb)[0])
-
-
 def lut16_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
     """LUT GEMV with tables of 16 (T-MAC's size): per 32-row block b and chunk c of 4 rows
 
@@ -156,8 +139,8 @@ def lut16_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     if not supports_lut16(fmt, k):
         raise QtvmError(f"the 16-entry LUT GEMV needs a BCQ format with groups of whole 32-row blocks, "
                         f"got '{fmt.name}'", "use a bcqQ-gG preset with G a multiple of 32")
-    a = _Lut16Args.make(fmt, k, n, nb)
-    q, m, kp, gs, x, xk, stored = a.planes, a.m, a.kp, a.gs, a.x, a.xk, a.stored
+    q, kp, gs = int(desc["planes"]), fmt.padded_k(k), fmt.group_size_for(k)
+    m, x, xk, stored = _inputs(fmt, k, n, nb)
     ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // 32, gs // 32
     bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
 
@@ -229,8 +212,8 @@ def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pr
         raise QtvmError(f"the int8-activation LUT GEMV needs a BCQ format with groups of whole 32-row blocks "
                         f"of at most {A8_MAX_GROUP} rows, got '{fmt.name}' at K={k}",
                         "use a bcqQ-gG preset with G a multiple of 32 up to 512, or --act fp32")
-    a = _Lut16Args.make(fmt, k, n, nb)
-    q, m, kp, gs, x, xk, stored = a.planes, a.m, a.kp, a.gs, a.x, a.xk, a.stored
+    q, kp, gs = int(desc["planes"]), fmt.padded_k(k), fmt.group_size_for(k)
+    m, x, xk, stored = _inputs(fmt, k, n, nb)
     ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // 32, gs // 32
     bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
 
