@@ -143,11 +143,18 @@ def nvcc_available() -> bool:
     return nvcc_path() is not None
 
 
+#: ptxas' own default register-usage level. TVM asks for 10, at which ptxas 13.0 gives up on
+#: some kernels ("C7600 Register allocation failed with register count of '7'", seen on the
+#: LUT-GEMM GEMV at K = 256..512 on sm_80 and sm_90); the same source compiles at 5.
+PTXAS_FALLBACK_REG_LEVEL = "5"
+
+
 @contextlib.contextmanager
-def compile_settings(target):
+def compile_settings(target, ptxas_reg_level: str | None = None):
     """What TVM needs to build CUDA device code into a loadable module: nvcc (TVM's default,
     NVRTC, needs the cuda-bindings package), no fast math, the runtime (driver or stub)
-    loaded so the device code is embedded instead of left as source, the target current."""
+    loaded so the device code is embedded instead of left as source, the target current.
+    ``ptxas_reg_level`` overrides TVM's ptxas register-usage level (``compile_cuda``)."""
     if not nvcc_available():
         raise QtvmError("compiling for CUDA needs nvcc", "install the CUDA toolkit (nvcc 12 or 13) or set CUDA_HOME")
     load_cuda_runtime()
@@ -155,6 +162,8 @@ def compile_settings(target):
                 # TVM passes --use_fast_math unless told not to: approximate exp/div/sqrt and
                 # flushed denormals are a numerics change qtvm does not make by default.
                 "TVM_CUDA_NVCC_NO_FAST_MATH": "1"}
+    if ptxas_reg_level is not None:
+        settings["TVM_CUDA_PTXAS_REG_LEVEL"] = ptxas_reg_level
     previous = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:
@@ -169,8 +178,17 @@ def compile_settings(target):
 
 
 def compile_cuda(mod, target, relax_pipeline="default"):
-    """``tvm.compile`` for a CUDA target under ``compile_settings``."""
+    """``tvm.compile`` for a CUDA target under ``compile_settings``; where ptxas fails at TVM's
+    register-usage level (``PTXAS_FALLBACK_REG_LEVEL``), the module is built again at ptxas'
+    default level, unless the user chose a level (TVM_CUDA_PTXAS_REG_LEVEL)."""
     import tvm
 
-    with compile_settings(target):
-        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline)
+    kwargs = {} if relax_pipeline is None else {"relax_pipeline": relax_pipeline}
+    try:
+        with compile_settings(target):
+            return tvm.compile(mod, target=target, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- only ptxas' register-allocation failure is retried
+        if "C7600" not in str(e) or os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL"):
+            raise
+    with compile_settings(target, ptxas_reg_level=PTXAS_FALLBACK_REG_LEVEL):
+        return tvm.compile(mod, target=target, **kwargs)

@@ -121,3 +121,50 @@ def test_runtime_refuses_an_older_gpu(monkeypatch, tmp_path):
         runtime._check_cuda_arch(tmp_path / "m.so", {"required_gpu_arch": "sm_90"}, missing_ok=False)
     monkeypatch.setattr(cuda, "device_arch", lambda index=0: "sm_90")
     runtime._check_cuda_arch(tmp_path / "m.so", {"required_gpu_arch": "sm_80"}, missing_ok=False)  # newer is fine
+
+
+@needs_nvcc
+def test_lut_gemv_that_ptxas_fails_at_level_10_compiles(tmp_path):
+    """ptxas 13.0 gives up on this LUT-GEMM GEMV (the bundled model's bcq3 shape) at TVM's
+    register-usage level 10 (C7600); compile_cuda builds it at ptxas' default level."""
+    import tvm
+
+    from qtvm import lut_gemv
+    from qtvm.formats import get_format
+    from qtvm.target import parse_target
+    from schedules import gpu_lut
+
+    target = parse_target("cuda -arch=sm_90")
+    func = gpu_lut.schedule_lut_gemv_gpu(lut_gemv.lut_gemv_func(get_format("bcq3-g128"), 256, 64, 1), target)
+    cuda.compile_cuda(tvm.IRModule({"main": func.mod["main"]}), target, relax_pipeline=None).export_library(
+        str(tmp_path / "lut.so"))
+    data = (tmp_path / "lut.so").read_bytes()
+    assert FATBIN_MAGIC in data and b"sm_90" in data
+
+
+def test_compile_cuda_retries_only_ptxas_register_failures(monkeypatch):
+    import tvm
+
+    levels = []
+
+    def fake_compile(mod, target, **kwargs):
+        import os
+
+        levels.append(os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL"))
+        if len(levels) == 1:
+            raise RuntimeError(f"nvcc: ptxas fatal : (C7600) Register allocation failed ({mod})")
+        return "built"
+
+    monkeypatch.setattr(cuda, "nvcc_available", lambda: True)
+    monkeypatch.setattr(tvm, "compile", fake_compile)
+    monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    assert cuda.compile_cuda("m", target) == "built" and levels == [None, cuda.PTXAS_FALLBACK_REG_LEVEL]
+    levels.clear()
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "10")  # the user's own level: the error stands
+    with pytest.raises(RuntimeError, match="C7600"):
+        cuda.compile_cuda("m", target)
+    monkeypatch.setattr(tvm, "compile", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other error")))
+    monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL")
+    with pytest.raises(RuntimeError, match="other error"):
+        cuda.compile_cuda("m", target)
