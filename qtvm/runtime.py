@@ -297,15 +297,36 @@ def load(path: str | os.PathLike) -> Module:
     return Module(path)
 
 
+def _load_fresh(path: Path, load_module):
+    """dlopen hands back the library already loaded from a path even after the file there was
+    replaced (recompiling to the same path in a notebook, then loading it again), so a file
+    that changed since this process first loaded its path is loaded from a private copy."""
+    import shutil
+    import tempfile
+
+    st = path.stat()
+    key, sig = str(path.resolve()), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if _LOADED_FILES.setdefault(key, sig) == sig:
+        return load_module(str(path))
+    with tempfile.TemporaryDirectory(prefix="qtvm-reload-") as tmp:  # unlinked once mapped
+        copy = Path(tmp) / path.name
+        shutil.copyfile(path, copy)
+        return load_module(str(copy))
+
+
 # -- GPU artefacts ------------------------------------------------------------------------
+#: resolved artefact path -> (device, inode, size, mtime) of the file first loaded from it
+_LOADED_FILES: dict[str, tuple] = {}
+
+
 def _load_library(path: Path):
-    """The artefact's library; a CUDA artefact first loads TVM's CUDA runtime (``qtvm.cuda``:
-    the driver, or a stub where there is none, so the artefact still opens and says why it
-    cannot run)."""
+    """The artefact's library (``_load_fresh``); a CUDA artefact first loads TVM's CUDA runtime
+    (``qtvm.cuda``: the driver, or a stub where there is none, so the artefact still opens and
+    says why it cannot run)."""
     import tvm.runtime
 
     try:
-        return tvm.runtime.load_module(str(path))
+        return _load_fresh(path, tvm.runtime.load_module)
     except Exception as err:  # noqa: BLE001 -- TVM raises several kinds
         message = str(err)
     if "load_from_bytes.cuda" in message:
@@ -313,7 +334,7 @@ def _load_library(path: Path):
 
         load_cuda_runtime(allow_stub=True)
         try:
-            return tvm.runtime.load_module(str(path))
+            return _load_fresh(path, tvm.runtime.load_module)
         except Exception:  # noqa: BLE001
             pass
     elif "load_from_bytes.opencl" in message:

@@ -196,3 +196,31 @@ def test_outputs_are_arrays_of_their_own(tmp_path, batch):
     assert not second["z"].any()
     with pytest.raises(QtvmError, match="dtype float64, expected float32"):  # a validated shape, another dtype
         m.run({"x": x.astype(np.float64)})
+
+
+def test_reloading_a_recompiled_path_gives_the_new_artefact(tmp_path):
+    """dlopen would hand back the library first loaded from the path (a notebook that
+    recompiles to the same file and loads it again); the runtime loads the new file."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtvm.pipeline import compile_model  # the compiler's TVM first: qtvm.runtime would load runtime-only
+    from qtvm import runtime
+
+    def model(scale: float):
+        graph = helper.make_graph([helper.make_node("Mul", ["x", "c"], ["y"])], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
+                                  [numpy_helper.from_array(np.full(3, scale, np.float32), "c")])
+        path = tmp_path / f"m{scale}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        return path
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    art = tmp_path / "m.so"
+    first = runtime.load(compile_model(model(2.0), art, "host", "none").path)
+    for scale in (3.0, 5.0):  # replaced twice: each load gets the file then at the path
+        compile_model(model(scale), art, "host", "none")
+        np.testing.assert_array_equal(runtime.load(art).run({"x": x})["y"], scale * x)
+    np.testing.assert_array_equal(first.run({"x": x})["y"], 2 * x)  # a module already loaded keeps its code
+    np.testing.assert_array_equal(runtime.load(art).run({"x": x})["y"], 5 * x)
