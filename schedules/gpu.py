@@ -38,7 +38,8 @@ COL_PAD = 64
 @dataclass(frozen=True)
 class GpuParams:
     """Launch shape of the rules for one target. lanes: threads splitting K in the GEMV
-    (a warp on CUDA); warps: GEMV warps per thread block; cols: columns per warp."""
+    (a warp on CUDA); warps: GEMV warps per thread block; cols: columns per warp; x_bytes:
+    width of a lane's loads of its activations in the GEMV (0: value by value)."""
 
     kind: str
     warp: int
@@ -47,6 +48,7 @@ class GpuParams:
     lanes: int = 32
     warps: int = 4
     cols: int = 4
+    x_bytes: int = 0
 
 
 def params(target: tvm.target.Target) -> GpuParams:
@@ -61,8 +63,11 @@ def params(target: tvm.target.Target) -> GpuParams:
     warp = int(attrs.get("thread_warp_size", 32))
     threads = int(attrs.get("max_num_threads", 256))
     shared = int(attrs.get("max_shared_memory_per_block", 16384))
+    # CUDA: each lane's 32 activations of a chunk in 32-byte loads. Read where used, a warp's
+    # x loads (lanes 128 B apart) kept L1 busy: on an H100 the int4-g128 GEMV at 8192 x 28672
+    # went from 252 to 74 us (17% -> 58% of HBM read bandwidth; docs/bench_gpu_h100.md).
     return GpuParams(kind=target.kind.name, warp=warp, max_threads=threads, shared_bytes=shared,
-                     warps=max(1, min(4, threads // 32)))
+                     warps=max(1, min(4, threads // 32)), x_bytes=32 if target.kind.name == "cuda" else 0)
 
 
 def applies(func: tvm.tirx.PrimFunc, target: tvm.target.Target, kernel: str) -> bool:
@@ -106,10 +111,14 @@ def lane_chunk(fmt, k: int) -> int:
 def facts(target: tvm.target.Target):
     from schedules.facts import KernelFacts
 
+    # BCQ's decode GEMV: on an H100 the dequantizing GEMV ran 11-23x faster than the LUT-GEMM
+    # one (bcq3-g128: 16 vs 373 us at 4096 x 4096, 134 vs 739 us at 8192 x 28672;
+    # docs/bench_gpu_h100.md), so CUDA dequantizes; OpenCL (unmeasured on a phone) keeps LUT-GEMM.
+    bcq = {} if target.kind.name == "cuda" else {"bcq": "lut_gemv"}
     return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS, row_tile=0,
                        int8_activations=False, activations=("fp32", "fp16"),
                        gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)}, col_pad=COL_PAD,
-                       f16_activations=f16_activations, decode_kernel={"bcq": "lut_gemv"},
+                       f16_activations=f16_activations, decode_kernel=bcq,
                        parts_options={"second_order": True})
 
 

@@ -29,10 +29,13 @@ from schedules import gpu
 
 
 def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, lanes: int | None = None,
-                         warps: int | None = None, cols: int | None = None) -> s_tir.Schedule | None:
+                         warps: int | None = None, cols: int | None = None,
+                         x_bytes: int | None = None) -> s_tir.Schedule | None:
     """The analytic schedule; the keyword knobs (defaults from ``gpu.params``) are for tuning.
     Takes the exact fp32 kernel ("qmatmul") and the fp16-activation one ("qmatmul_f16",
-    whose decoded run is one CUDA TensorIntrin on CUDA targets)."""
+    whose decoded run is one CUDA TensorIntrin on CUDA targets). ``x_bytes``: each lane
+    loads its chunk of x into registers this many bytes at a time (0: value by value where
+    used; a lane's chunk is contiguous, so scalar loads of a warp touch 32 lines each)."""
     desc = gemv_format(func, target)
     if desc is None:
         return None
@@ -44,8 +47,15 @@ def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     from qtvm.intrin import cuda
 
     apply_qmatmul_gpu(sch, desc, lanes=lanes, warps=warps, cols=cols,
-                      intrinsics=cuda if target.kind.name == "cuda" else None)
+                      intrinsics=cuda if target.kind.name == "cuda" else None,
+                      x_vector=x_vector(desc, p.x_bytes if x_bytes is None else x_bytes))
     return sch
+
+
+def x_vector(desc, x_bytes: int) -> int:
+    """Activations per load for ``x_bytes``-wide loads of x (fp16: at most 16 bytes, as CUDA
+    has no vector type of 16 halves)."""
+    return min(x_bytes, 16) // 2 if str(desc.get("activations", "fp32")) == "fp16" else x_bytes // 4
 
 
 def gemv_format(func: tvm.tirx.PrimFunc, target: tvm.target.Target):

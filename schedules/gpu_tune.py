@@ -100,14 +100,17 @@ class GpuKnobSpace:
 
 
 def _gemv_extras(desc, target: tvm.target.Target) -> dict:
-    """The analytic GEMV rule's own additions for the target (CUDA's or OpenCL's intrinsics)."""
+    """The analytic GEMV rule's own additions for the target (CUDA's or OpenCL's intrinsics,
+    the width of the activation loads)."""
     if target.kind.name == "opencl":
         from schedules.opencl_gemv import gemv_extras
 
         return gemv_extras(desc, target)
     from qtvm.intrin import cuda
 
-    return {"intrinsics": cuda} if target.kind.name == "cuda" else {}
+    if target.kind.name != "cuda":
+        return {}
+    return {"intrinsics": cuda, "x_vector": gpu_gemv.x_vector(desc, gpu.params(target).x_bytes)}
 
 
 def space_generator(space: GpuKnobSpace) -> ms.space_generator.ScheduleFn:

@@ -46,8 +46,12 @@ def test_rule_declines_slices_it_cannot_make():
     assert gpu_lut.schedule_lut_gemv_gpu(ops.qmatmul_func(get_format("bcq3-g128"), 384, 64, 1), SM80) is None
 
 
-def test_gpu_facts_pick_lut_gemm_for_bcq():
-    assert facts(SM80).decode_kernel == {"bcq": "lut_gemv"}
+def test_gpu_facts_pick_the_bcq_decode_kernel_per_target():
+    """CUDA dequantizes (measured faster on an H100); OpenCL keeps LUT-GEMM."""
+    from qtvm.target import parse_target
+
+    assert facts(SM80).decode_kernel == {}
+    assert facts(parse_target("opencl -device=mali")).decode_kernel == {"bcq": "lut_gemv"}
 
 
 @needs_nvcc
