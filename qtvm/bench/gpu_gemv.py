@@ -1,12 +1,15 @@
-"""`qtvm bench gemv --target cuda`: qtvm's GPU decode kernels beside the GPU's HBM bandwidth
-(measured in the same run with a device-to-device copy) and torch's fp16 matmul (and its
-int4 kernel where this torch has one for the device), all with the weights cold in L2.
+"""`qtvm bench gemv --target cuda`: qtvm's GPU decode kernels beside the GPU's HBM read
+bandwidth (a sum over 1 GiB, measured in the same run) and torch's fp16 ``mv`` and int4 kernel,
+all with the weights cold in L2.
 
 Every kernel's weights are rotated through copies totalling more than twice the L2, so
-each call streams its weights from HBM (``schedules.gpu_tune.rotation_copies``); a time
+each call streams its weights from HBM (``schedules.gpu_tune.rotation_copies``). One round
+is one CUDA graph holding one call per copy (captured through torch, TVM's launches joined
+to torch's stream by ``tvm_ffi.use_torch_stream``), replayed and timed with CUDA events: the
+launch path stays out of the time, which matters for kernels of a few microseconds. A time
 is the mean over the rotation of one round, the reported value the median of the rounds.
-Calls are issued from Python, so a kernel shorter than the launch path (a few us) is
-timed as the launch path: the large shapes are the meaningful ones.
+Without torch (or where capture fails) the calls are issued from Python and timed the same
+way, and the launch path is then part of the time.
 
 Written for a GPU machine: here (no GPU) it stops before measuring and says so.
 """
@@ -34,36 +37,81 @@ def _device():
     return arch
 
 
-def _timed(call, sets, rounds: int, sync) -> float:
-    """Median over rounds of the mean time of one call, rotating through ``sets``."""
-    call(sets[0])
-    sync()
+def graph_time(launch, sets, rounds: int) -> float:
+    """Seconds per call of ``launch(set)`` over ``sets``, median of ``rounds`` (module doc)."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        import tvm
+
+        dev = tvm.cuda(0)
+        launch(sets[0])
+        dev.sync()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for args in sets:
+                launch(args)
+            dev.sync()
+            times.append((time.perf_counter() - start) / len(sets))
+        return statistics.median(times)
+    launch(sets[0])
+    torch.cuda.synchronize()
+
+    def launch_all():
+        for args in sets:
+            launch(args)
+
+    try:
+        import tvm_ffi
+
+        graph = torch.cuda.CUDAGraph()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+            launch_all()
+        replay = graph.replay
+    except Exception:  # noqa: BLE001 -- no capture: launches from Python, timed the same way
+        torch.cuda.synchronize()
+        replay = launch_all
+    replay()
+    torch.cuda.synchronize()
     times = []
     for _ in range(rounds):
-        start = time.perf_counter()
-        for args in sets:
-            call(args)
-        sync()
-        times.append((time.perf_counter() - start) / len(sets))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(sets))
     return statistics.median(times)
 
 
-def hbm_bandwidth(rounds: int, nbytes: int = 1 << 30) -> float:
-    """GB/s of a device-to-device copy (read + write bytes), the same run's reference."""
+def reference_bandwidth(rounds: int, nbytes: int = 1 << 30) -> tuple[float, str]:
+    """(GB/s, what was measured) for the same run's reference: a sum over ``nbytes`` of fp32
+    through torch (each byte read once: a GEMV reads its weights and writes almost nothing);
+    without a CUDA torch, a device-to-device copy through TVM, counting read and write bytes."""
+    try:
+        import torch
+
+        cuda_torch = torch.cuda.is_available()
+    except ImportError:
+        cuda_torch = False
+    if cuda_torch:
+        big = torch.rand(nbytes // 4, dtype=torch.float32, device="cuda")
+        return nbytes / graph_time(lambda _: big.sum(), [None] * 4, rounds) / 1e9, "read"
     import tvm
 
     dev = tvm.cuda(0)
-    src = tvm.runtime.empty((nbytes // 4,), "float32", dev)
-    dst = tvm.runtime.empty((nbytes // 4,), "float32", dev)
-    seconds = _timed(lambda _: src.copyto(dst), [None] * 4, rounds, dev.sync)
-    return 2 * nbytes / seconds / 1e9
+    src, dst = (tvm.runtime.empty((nbytes // 4,), "float32", dev) for _ in range(2))
+    return 2 * nbytes / graph_time(lambda _: src.copyto(dst), [None] * 4, rounds) / 1e9, "copy (read + write)"
 
 
 def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.ndarray, l2: int):
     import tvm
 
     from qtvm import ops
-    from qtvm.cuda import compile_settings
+    from qtvm.cuda import compile_cuda
     from qtvm.formats import get_format
     from schedules import facts, schedule_kernel
     from schedules.gpu_tune import rotation_copies
@@ -78,8 +126,7 @@ def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.nd
         func = lut_gemv_func(fmt, k, qt.n, 1)
     else:
         func = ops.qmatmul_func(fmt, k, qt.n, 1, **f.gemv_options(fmt, k))
-    with compile_settings(target):
-        lib = tvm.compile(tvm.IRModule({"main": schedule_kernel(func, target)}), target=target)
+    lib = compile_cuda(tvm.IRModule({"main": schedule_kernel(func, target)}), target, relax_pipeline=None)
     dev = tvm.cuda(0)
     arrays = ops.blocked_arrays(qt, 1)
     nbytes = sum(a.nbytes for a in arrays)
@@ -87,11 +134,12 @@ def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.nd
     x = tvm.runtime.tensor(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32), device=dev)
     y = tvm.runtime.empty((1, qt.n), "float32", dev)
     main = lib["main"]
-    return (lambda ws: main(x, *ws, y)), sets, nbytes, dev.sync
+    return (lambda ws: main(x, *ws, y)), sets, nbytes
 
 
-def _torch_peers(k: int, n: int, w: np.ndarray, l2: int):
-    """(name, call, sets, bytes, sync) for torch fp16 mv and, where present, torch's int4 kernel."""
+def torch_peers(k: int, n: int, l2: int):
+    """(name, launch, sets, bytes read) for torch's fp16 mv and, where this torch has one for
+    the device, its int4 kernel (bf16 activations, group 128: scales and zeros counted)."""
     try:
         import torch
     except ImportError:
@@ -100,22 +148,23 @@ def _torch_peers(k: int, n: int, w: np.ndarray, l2: int):
         return []
     from schedules.gpu_tune import rotation_copies
 
-    peers = []
-    w16 = torch.tensor(w.T.copy(), dtype=torch.float16, device="cuda")  # [N, K]
+    w16 = torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02  # [N, K]
     x16 = torch.randn(k, dtype=torch.float16, device="cuda")
-    copies = [w16.clone() for _ in range(rotation_copies(w16.numel() * 2, l2))]
-    peers.append(("torch fp16 mv", lambda ws: torch.mv(ws, x16), copies, w16.numel() * 2, torch.cuda.synchronize))
-    if hasattr(torch, "_weight_int4pack_mm") and hasattr(torch, "_convert_weight_to_int4pack"):
-        try:
-            q = torch.randint(0, 16, (n, k // 2), dtype=torch.uint8, device="cuda")
-            packed = torch._convert_weight_to_int4pack(q, 8)
-            scales = torch.rand(k // 128, n, 2, dtype=torch.bfloat16, device="cuda")
-            xb = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-            sets = [(packed.clone(), scales.clone()) for _ in range(rotation_copies(n * k // 2, l2))]
-            peers.append(("torch int4 (bf16)", lambda s: torch._weight_int4pack_mm(xb, s[0], 128, s[1]), sets,
-                          n * k // 2, torch.cuda.synchronize))
-        except Exception:  # noqa: BLE001 -- this torch/device has no int4 kernel
-            pass
+    peers = [("torch fp16 mv", lambda w: torch.mv(w, x16),
+              [w16.clone() for _ in range(rotation_copies(w16.numel() * 2, l2))], w16.numel() * 2)]
+    del w16
+    try:
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        packed = torch._convert_weight_to_int4pack(q, 8)
+        scales = torch.rand(k // 128, n, 2, dtype=torch.bfloat16, device="cuda")
+        xb = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        nbytes = n * k // 2 + scales.numel() * 2
+        sets = [(packed.clone(), scales.clone()) for _ in range(rotation_copies(nbytes, l2))]
+        torch._weight_int4pack_mm(xb, sets[0][0], 128, sets[0][1])
+        peers.append(("torch int4 mm (bf16)", lambda s: torch._weight_int4pack_mm(xb, s[0], 128, s[1]), sets,
+                      nbytes))
+    except Exception:  # noqa: BLE001 -- this torch/device has no int4 kernel
+        pass
     return peers
 
 
@@ -125,19 +174,20 @@ def run(shapes, formats, target_text: str, activations, rounds: int, json_path: 
     arch = _device()
     target = parse_target(target_text if "-arch" in target_text else f"{target_text} -arch={arch}")
     l2 = int(target.attrs["l2_cache_size_bytes"])
-    bw = hbm_bandwidth(rounds)
-    print(f"CUDA device {arch}; L2 {l2 >> 20} MiB (from the target); copy bandwidth {bw:.0f} GB/s", flush=True)
+    bw, measured = reference_bandwidth(rounds)
+    print(f"CUDA device {arch}; L2 {l2 >> 20} MiB (from the target); HBM {measured} bandwidth {bw:.0f} GB/s",
+          flush=True)
     rows = []
     for k, n in shapes:
         w = np.random.default_rng(k * n).standard_normal((k, n)).astype(np.float32) * 0.02
         entries = []
         for preset in formats:
             for act in activations:
-                call, sets, nbytes, sync = _qtvm_kernel(preset, k, n, target, act, w, l2)
-                entries.append((f"qtvm {preset} {act}", call, sets, nbytes, sync))
-        entries += _torch_peers(k, n, w, l2)
-        for name, call, sets, nbytes, sync in entries:
-            seconds = _timed(call, sets, rounds, sync)
+                call, sets, nbytes = _qtvm_kernel(preset, k, n, target, act, w, l2)
+                entries.append((f"qtvm {preset} {act}", call, sets, nbytes))
+        entries += torch_peers(k, n, l2)
+        for name, call, sets, nbytes in entries:
+            seconds = graph_time(call, sets, rounds)
             rows.append({"shape": f"{k}x{n}", "kernel": name, "us": seconds * 1e6, "weight_bytes": nbytes,
                          "GB_s": nbytes / seconds / 1e9, "pct_bandwidth": 100 * nbytes / seconds / 1e9 / bw})
     print(f"{'shape':>12} {'kernel':<28} {'us':>9} {'GB/s':>8} {'% BW':>6}")
@@ -146,6 +196,7 @@ def run(shapes, formats, target_text: str, activations, rounds: int, json_path: 
     if json_path is not None:
         tmp = f"{json_path}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"device": arch, "copy_bandwidth_GB_s": bw, "rows": rows}, f, indent=1)
+            json.dump({"device": arch, "bandwidth_GB_s": bw, "bandwidth_measured": measured, "rows": rows}, f,
+                      indent=1)
         os.replace(tmp, json_path)
     return rows
