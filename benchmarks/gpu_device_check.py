@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TIMING_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672)]
 TIMING_FORMATS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "fp32"), ("int2-g64", "fp32"),
-                  ("e0m4-g128", "fp32"), ("e0m4-g128", "fp16"), ("bcq3-g128", "fp32"), ("bcq3-g128", "fp32-dequant"),
+                  ("e0m4-g128", "fp32"), ("e0m4-g128", "fp16"), ("bcq3-g128", "fp32"), ("bcq3-g128", "fp32-lut"),
                   ("int8-g32", "fp32")]
 MODEL_PRESETS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "fp32"), ("e0m4-g128", "fp32"),
                  ("bcq3-g128", "fp32"), ("mixed-2-4-16", "fp32"), ("int4-g128-qz", "fp32")]
@@ -125,23 +125,15 @@ def _correctness_kernels(target):
 
 
 def _timing_func(preset: str, act: str, k: int, n: int, target):
-    from qtvm import ops
+    """The decode kernel the compiler picks (``act`` "fp32-lut": BCQ's LUT-GEMM regardless),
+    N padded as the pass pads it; None where the format has no such kernel."""
+    from qtvm.bench.gpu_gemv import decode_gemv_func
     from qtvm.formats import get_format
-    from schedules import facts, schedule_kernel
+    from schedules import schedule_kernel
 
-    fmt, f = get_format(preset), facts(target)
-    n_pad = -(-n // f.col_pad) * f.col_pad
-    if act == "fp16":
-        if not f.f16_activations(fmt, k):
-            return None
-        func = ops.qmatmul_f16_func(fmt, k, n_pad, 1, **f.gemv_options(fmt, k))
-    elif f.decode_kernel.get(str(fmt.describe().get("family"))) == "lut_gemv" and act != "fp32-dequant":
-        from qtvm.lut_gemv import lut_gemv_func
-
-        func = lut_gemv_func(fmt, k, n_pad, 1)
-    else:
-        func = ops.qmatmul_func(fmt, k, n_pad, 1, **f.gemv_options(fmt, k))
-    return schedule_kernel(func, target)
+    func = decode_gemv_func(get_format(preset), k, _padded_n(n, target), target, "fp32" if act == "fp32-lut" else act,
+                            lut=True if act == "fp32-lut" else None)
+    return None if func is None else schedule_kernel(func, target)
 
 
 def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "layers", "models")) -> None:
@@ -200,9 +192,7 @@ def _build_timing(out: Path, target, manifest: dict) -> None:
                 continue
             name = f"t_{_slug(preset)}_{_slug(act)}_{k}x{n}"
             timing[name] = func
-            specs = _param_specs(func)
-            manifest["timing"].append({"name": name, "preset": preset, "act": act, "k": k, "n": n, "params": specs,
-                                       "weight_bytes": sum(_nbytes(s) for s in specs[1:-1])})
+            manifest["timing"].append(_timed_entry(name, func, preset, act, k, n))
     _export(timing, target, out / "timing.so")
     print("built the timing kernels", flush=True)
 
@@ -213,16 +203,13 @@ def _build_gemm(out: Path, target, manifest: dict) -> None:
     from qtvm.ops_gemm import qmatmul_gemm_func
     from schedules import facts, schedule_kernel
 
-    f, funcs = facts(target), {}
+    funcs = {}
     for k, n in GEMM_SHAPES:
         for preset in GEMM_FORMATS:
-            n_pad = -(-n // f.col_pad) * f.col_pad
             name = f"g_{_slug(preset)}_{k}x{n}"
-            funcs[name] = schedule_kernel(qmatmul_gemm_func(get_format(preset), k, n_pad, f.col_block), target)
-            specs = _param_specs(funcs[name])
-            manifest["gemm"].append({"name": name, "preset": preset, "act": "fp32", "k": k, "n": n,
-                                     "m": GEMM_ROWS, "params": specs,
-                                     "weight_bytes": sum(_nbytes(s) for s in specs[1:-1])})
+            funcs[name] = schedule_kernel(qmatmul_gemm_func(get_format(preset), k, _padded_n(n, target),
+                                                            facts(target).col_block), target)
+            manifest["gemm"].append(_timed_entry(name, funcs[name], preset, "fp32", k, n, m=GEMM_ROWS))
     _export(funcs, target, out / "gemm.so")
     print("built the prefill GEMM kernels", flush=True)
 
@@ -258,18 +245,14 @@ def _build_sweep(out: Path, target, manifest: dict) -> None:
             func = ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k))
             funcs[name] = gpu_gemv.schedule_qmatmul_gpu(func, target, lanes=lanes, warps=warps, cols=cols,
                                                         x_bytes=x_bytes).mod["main"]
-            specs = _param_specs(funcs[name])
-            manifest["sweep"].append({"name": name, "preset": "int4-g128", "act": f"fp32 w{warps} c{cols}", "k": k,
-                                      "n": n, "params": specs, "weight_bytes": sum(_nbytes(s) for s in specs[1:-1])})
-            manifest["sweep"][-1]["act"] = f"fp32 l{lanes} w{warps} c{cols} x{x_bytes}"
+            manifest["sweep"].append(_timed_entry(name, funcs[name], "int4-g128",
+                                                  f"fp32 l{lanes} w{warps} c{cols} x{x_bytes}", k, n))
         for preset, cols in (("int4-g128", 4), ("int4-g128", 2), ("e0m4-g128", 4)):  # fp16 activations
             fmt16 = get_format(preset)
             name = f"s_f16_{_slug(preset)}_c{cols}_{k}x{n}"
             func = ops.qmatmul_f16_func(fmt16, k, n, 1, **f.gemv_options(fmt16, k))
             funcs[name] = gpu_gemv.schedule_qmatmul_gpu(func, target, cols=cols).mod["main"]
-            specs = _param_specs(funcs[name])
-            manifest["sweep"].append({"name": name, "preset": preset, "act": f"fp16 c{cols}", "k": k, "n": n,
-                                      "params": specs, "weight_bytes": sum(_nbytes(s) for s in specs[1:-1])})
+            manifest["sweep"].append(_timed_entry(name, funcs[name], preset, f"fp16 c{cols}", k, n))
     _export(funcs, target, out / "sweep.so")
     print("built the GEMV knob sweep", flush=True)
 
@@ -333,6 +316,21 @@ def _build_models(out: Path, target, manifest: dict) -> None:
         print(f"built {name} ({time.perf_counter() - start:.0f} s)", flush=True)
     (out / "cpu.so").unlink(missing_ok=True)
     np.savez_compressed(out / "models.npz", **refs)
+
+
+def _timed_entry(name: str, func, preset: str, act: str, k: int, n: int, **extra) -> dict:
+    """A manifest row for a kernel the GPU side times: its parameters and weight bytes."""
+    specs = _param_specs(func)
+    return {"name": name, "preset": preset, "act": act, "k": k, "n": n, **extra, "params": specs,
+            "weight_bytes": sum(_nbytes(s) for s in specs[1:-1])}
+
+
+def _padded_n(n: int, target) -> int:
+    """N as the pass pads it (zero columns to the GPU's column tile)."""
+    from schedules import facts
+
+    pad = facts(target).col_pad
+    return -(-n // pad) * pad
 
 
 def _nbytes(spec: dict) -> int:

@@ -37,13 +37,24 @@ def _device():
     return arch
 
 
-def graph_time(launch, sets, rounds: int) -> float:
-    """Seconds per call of ``launch(set)`` over ``sets``, median of ``rounds`` (module doc)."""
+def _cuda_torch():
+    """torch where it can run on the GPU, else None."""
     try:
         import torch
     except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def graph_time(launch, sets, rounds: int) -> float:
+    """Seconds per call of ``launch(set)`` over ``sets``, median of ``rounds`` (module doc)."""
+
+    def launch_all():
+        for args in sets:
+            launch(args)
+
+    torch = _cuda_torch()
+    if torch is None:
         import tvm
 
         dev = tvm.cuda(0)
@@ -52,18 +63,12 @@ def graph_time(launch, sets, rounds: int) -> float:
         times = []
         for _ in range(rounds):
             start = time.perf_counter()
-            for args in sets:
-                launch(args)
+            launch_all()
             dev.sync()
             times.append((time.perf_counter() - start) / len(sets))
         return statistics.median(times)
     launch(sets[0])
     torch.cuda.synchronize()
-
-    def launch_all():
-        for args in sets:
-            launch(args)
-
     try:
         import tvm_ffi
 
@@ -91,13 +96,8 @@ def reference_bandwidth(rounds: int, nbytes: int = 1 << 30) -> tuple[float, str]
     """(GB/s, what was measured) for the same run's reference: a sum over ``nbytes`` of fp32
     through torch (each byte read once: a GEMV reads its weights and writes almost nothing);
     without a CUDA torch, a device-to-device copy through TVM, counting read and write bytes."""
-    try:
-        import torch
-
-        cuda_torch = torch.cuda.is_available()
-    except ImportError:
-        cuda_torch = False
-    if cuda_torch:
+    torch = _cuda_torch()
+    if torch is not None:
         big = torch.rand(nbytes // 4, dtype=torch.float32, device="cuda")
         return nbytes / graph_time(lambda _: big.sum(), [None] * 4, rounds) / 1e9, "read"
     import tvm
@@ -105,6 +105,25 @@ def reference_bandwidth(rounds: int, nbytes: int = 1 << 30) -> tuple[float, str]
     dev = tvm.cuda(0)
     src, dst = (tvm.runtime.empty((nbytes // 4,), "float32", dev) for _ in range(2))
     return 2 * nbytes / graph_time(lambda _: src.copyto(dst), [None] * 4, rounds) / 1e9, "copy (read + write)"
+
+
+def decode_gemv_func(fmt, k: int, n: int, target, activations: str, lut: bool | None = None):
+    """The unscheduled decode kernel the compiler picks for ``fmt`` on ``target`` (N already
+    padded): fp16 activations where the format has that kernel (else None), BCQ's LUT-GEMM
+    where the target's facts pick it (``lut`` forces the choice), else the dequantizing GEMV."""
+    from qtvm import ops
+    from schedules import facts
+
+    f = facts(target)
+    if activations == "fp16":
+        return ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)) if f.f16_activations(fmt, k) else None
+    if lut is None:
+        lut = f.decode_kernel.get(str(fmt.describe().get("family"))) == "lut_gemv"
+    if lut:
+        from qtvm.lut_gemv import lut_gemv_func
+
+        return lut_gemv_func(fmt, k, n, 1)
+    return ops.qmatmul_func(fmt, k, n, 1, **f.gemv_options(fmt, k))
 
 
 def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.ndarray, l2: int):
@@ -118,14 +137,8 @@ def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.nd
 
     fmt, f = get_format(preset), facts(target)
     qt = ops.pad_columns(fmt.quantize(w), f.col_pad)
-    if activations == "fp16" and f.f16_activations(fmt, k):
-        func = ops.qmatmul_f16_func(fmt, k, qt.n, 1, **f.gemv_options(fmt, k))
-    elif f.decode_kernel.get(str(fmt.describe().get("family"))) == "lut_gemv":
-        from qtvm.lut_gemv import lut_gemv_func
-
-        func = lut_gemv_func(fmt, k, qt.n, 1)
-    else:
-        func = ops.qmatmul_func(fmt, k, qt.n, 1, **f.gemv_options(fmt, k))
+    func = (decode_gemv_func(fmt, k, qt.n, target, activations)
+            or decode_gemv_func(fmt, k, qt.n, target, "fp32"))  # no fp16 kernel for this format
     lib = compile_cuda(tvm.IRModule({"main": schedule_kernel(func, target)}), target, relax_pipeline=None)
     dev = tvm.cuda(0)
     arrays = ops.blocked_arrays(qt, 1)
@@ -140,11 +153,8 @@ def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.nd
 def torch_peers(k: int, n: int, l2: int):
     """(name, launch, sets, bytes read) for torch's fp16 mv and, where this torch has one for
     the device, its int4 kernel (bf16 activations, group 128: scales and zeros counted)."""
-    try:
-        import torch
-    except ImportError:
-        return []
-    if not torch.cuda.is_available():
+    torch = _cuda_torch()
+    if torch is None:
         return []
     from schedules.gpu_tune import rotation_copies
 
