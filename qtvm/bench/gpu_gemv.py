@@ -127,6 +127,9 @@ def decode_gemv_func(fmt, k: int, n: int, target, activations: str, lut: bool | 
 
 
 def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.ndarray, l2: int):
+    """(launch, weight sets, bytes read) of the kernel the compiler picks, or None where the
+    format has none with ``activations`` (timing the fp32 kernel under an fp16 label would
+    report the wrong kernel)."""
     import tvm
 
     from qtvm import ops
@@ -137,8 +140,9 @@ def _qtvm_kernel(preset: str, k: int, n: int, target, activations: str, w: np.nd
 
     fmt, f = get_format(preset), facts(target)
     qt = ops.pad_columns(fmt.quantize(w), f.col_pad)
-    func = (decode_gemv_func(fmt, k, qt.n, target, activations)
-            or decode_gemv_func(fmt, k, qt.n, target, "fp32"))  # no fp16 kernel for this format
+    func = decode_gemv_func(fmt, k, qt.n, target, activations)
+    if func is None:  # no kernel with these activations for this format (fp16: int3, BCQ)
+        return None
     lib = compile_cuda(tvm.IRModule({"main": schedule_kernel(func, target)}), target, relax_pipeline=None)
     dev = tvm.cuda(0)
     arrays = ops.blocked_arrays(qt, 1)
@@ -187,14 +191,19 @@ def run(shapes, formats, target_text: str, activations, rounds: int, json_path: 
     bw, measured = reference_bandwidth(rounds)
     print(f"CUDA device {arch}; L2 {l2 >> 20} MiB (from the target); HBM {measured} bandwidth {bw:.0f} GB/s",
           flush=True)
-    rows = []
+    rows, skipped = [], set()
     for k, n in shapes:
         w = np.random.default_rng(k * n).standard_normal((k, n)).astype(np.float32) * 0.02
         entries = []
         for preset in formats:
             for act in activations:
-                call, sets, nbytes = _qtvm_kernel(preset, k, n, target, act, w, l2)
-                entries.append((f"qtvm {preset} {act}", call, sets, nbytes))
+                kernel = _qtvm_kernel(preset, k, n, target, act, w, l2)
+                if kernel is None:
+                    if (preset, act) not in skipped:
+                        skipped.add((preset, act))
+                        print(f"qtvm {preset}: no {act}-activation kernel for this format; not timed", flush=True)
+                    continue
+                entries.append((f"qtvm {preset} {act}", *kernel))
         entries += torch_peers(k, n, l2)
         for name, call, sets, nbytes in entries:
             seconds = graph_time(call, sets, rounds)

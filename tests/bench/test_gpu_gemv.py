@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -49,3 +50,15 @@ def test_on_a_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {r["kernel"] for r in rows} >= {"qtvm int4-g128 fp32", "qtvm int4-g128 fp16"}
+
+
+@pytest.mark.parametrize("preset", ["int3-g128", "bcq3-g128"])
+def test_formats_without_an_fp16_kernel_are_not_timed_under_that_label(preset):
+    """The fp16 column must time an fp16-activation kernel; these formats have none (before,
+    the fp32 kernel was timed and labelled fp16). Decided before anything touches a device."""
+    from qtvm.bench.gpu_gemv import _qtvm_kernel
+    from qtvm.target import parse_target
+
+    w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
+    target = parse_target("cuda -arch=sm_90")
+    assert _qtvm_kernel(preset, 256, 128, target, "fp16", w, 50 << 20) is None
