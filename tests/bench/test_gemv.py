@@ -45,3 +45,31 @@ def test_bench_command_rejects_bad_options(argv, needle, tmp_path):
     with pytest.raises(QtvmError, match=needle):
         args.fn(args)
     assert not (tmp_path / "b.json").exists()
+
+
+def test_kernel_hot_timing_is_reported_for_qtvm_only(monkeypatch):
+    """qtvm rows carry ``kernel_hot_gbps`` (TVM's timer loop, no Python call per run), which
+    is at least the Python-timed ``hot_gbps`` of the same call; peers without their own
+    timer loop (torch) get no such column rather than a copy of ``hot_gbps``."""
+    from qtvm.bench import bandwidth
+
+    monkeypatch.setattr(bandwidth.BandwidthProbe, "measure", lambda self, *a, **k: 10.0)
+    gemv.register(["int4-g128"], ["int8"])
+    out = peers.benchmark_peers([(512, 128)], 1, ["qtvm:int4-g128:int8", "torch_fp32"], min_total_bytes=300_000,
+                                l3_bytes=16_384, probe_bytes=1 << 16, rounds=1, min_iters=4, hot_iters=50)
+    qrow, trow = out["results"]
+    assert qrow["kernel"] == "qtvm int4-g128 act-int8" and "kernel_hot_gbps" not in trow["extras"]
+    ex = qrow["extras"]
+    assert ex["kernel_hot_gbps"] == pytest.approx(qrow["weight_bytes"] / ex["kernel_hot_us"] / 1e3)
+    # Same kernels, minus the Python dispatch: never slower (20% margin for a noisy machine).
+    assert ex["kernel_hot_us"] < 1.2 * ex["hot_us"]
+
+
+def test_kernel_seconds_leaves_the_result_right():
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((300, 80)).astype(np.float32)
+    x = rng.standard_normal(300).astype(np.float32)
+    peer = gemv.QtvmGemv(W, "int4-g128", "int8")
+    y = peer(x)
+    assert peer.kernel_seconds(20) > 0
+    np.testing.assert_array_equal(peer.output(), y)
