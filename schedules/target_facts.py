@@ -103,6 +103,9 @@ class CpuFacts:
     a8_pass_source:   Intel Xeon VM); where a table row measured otherwise, it names its CPU.
     prefill_prefetch: whether the int8 prefill kernel (4-row tiles: compute-bound) prefetches
     prefill_prefetch_source: its weights like the GEMV (default) or not (a measured row).
+    lut_prefetch_bytes:     how far ahead the 16-entry LUT GEMV (BCQ) prefetches its bit stream,
+    lut_a8_prefetch_bytes:  fp32 tables and int16 tables (``--act int8``); the defaults were
+    lut_prefetch_source:    measured on AMD Zen 5 (``qtvm.intrin.x86_lut``), a row names its CPU.
     mcpu:             the LLVM CPU name these facts describe.
     source:           "host" (read from this machine) or "table".
     """
@@ -127,6 +130,9 @@ class CpuFacts:
     a8_pass_source: str = "default"
     prefill_prefetch: bool = True
     prefill_prefetch_source: str = "default"
+    lut_prefetch_bytes: int = 6144
+    lut_a8_prefetch_bytes: int = 4096
+    lut_prefetch_source: str = "default"
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_RANK:
@@ -246,7 +252,15 @@ _TABLE: dict[str, _CpuSpec] = {
     "sapphirerapids": _CpuSpec("avx512", 48 * _KIB, 2 * _MIB, 105 * _MIB, 56, 2.0,
                                fma256=2, valu256=3, fma512=2, valu512=2, part="Xeon Platinum 8480+"),
     "emeraldrapids": _CpuSpec("avx512", 48 * _KIB, 2 * _MIB, 320 * _MIB, 64, 1.9,
-                              fma256=2, valu256=3, fma512=2, valu512=2, part="Xeon Platinum 8592+"),
+                              fma256=2, valu256=3, fma512=2, valu512=2, part="Xeon Platinum 8592+",
+                              measured={
+                                  "prefetch_bytes": 4096, "prefetch_locality": 3,
+                                  "prefetch_source": "Intel Xeon Emerald Rapids VM (2 vCPUs): DRAM-cold int4-g128 "
+                                                     "int8 GEMVs, 4096^2 / 4096x11008 / 11008x4096, 1 and 2 "
+                                                     "threads, interleaved A/B, three runs: 4 KiB into L1 "
+                                                     "0.99-1.14x the 6 KiB-into-L2 default (median 1.03x, "
+                                                     "slower in 2 of 12); 8 and 16 KiB, 16-column passes and "
+                                                     "no prefetch slower"}),
     # Generic ISA levels: conservative stand-ins (no particular part).
     "x86-64": _CpuSpec("generic", 32 * _KIB, 256 * _KIB, 8 * _MIB, 4, 2.5,
                        fma256=1, valu256=2, part="baseline x86-64 (SSE2)"),

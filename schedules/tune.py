@@ -22,7 +22,8 @@ categorical decision.  Each knob value is also written as an annotation
 
 The int8-activation kernels (``qmatmul_a8`` GEMV, ``qmatmul_a8_gemm`` prefill) have
 their own space, ``schedules.tune_a8.A8KnobSpace`` (streams, column tile, prefetch
-distance and level, unroll); ``space_of`` picks by the kernel's ``qtvm.kernel``.
+distance and level, unroll), and so have BCQ's LUT GEMVs (``schedules.tune_lut``: prefetch
+distance, unroll); ``space_of`` picks by the kernel's ``qtvm.kernel``.
 
 Measurement: MetaSchedule measures static shapes, so each kernel is tuned as a
 copy specialised to M = 1 (decode; int8 prefill: ``tune_a8.PREFILL_ROWS``); the
@@ -74,7 +75,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from qtvm import ops
 from qtvm.errors import QtvmError
-from schedules import tune_a8, x86
+from schedules import tune_a8, tune_lut, x86
 from schedules.tune_runner import machine_note, record_machine
 
 KNOB_PREFIX = "qtvm.knob."
@@ -82,7 +83,8 @@ KNOB_NAMES = ("tile_cols", "unroll", "local_partials", "parallel")
 MARGIN = 0.03  # tuned must beat analytic by 3 % (measurement noise on 2 shared cores)
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
 MODEL_ATTR = "model"  # target attribute holding the device a record was measured on
-TUNABLE_KINDS = ("qmatmul", "qmatmul_a8", "qmatmul_a8_gemm")  # kernels with a design space (int8: tune_a8)
+# kernels with a design space (int8: tune_a8; BCQ's LUT GEMVs: tune_lut)
+TUNABLE_KINDS = ("qmatmul", "qmatmul_a8", "qmatmul_a8_gemm", "lut16_gemv", "lut16_a8_gemv")
 _PROGRESS_PREFIX = "qtvm tune"
 
 
@@ -186,6 +188,8 @@ def unscheduled_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tu
         return None, "its format is not a registered preset"
     if kind in tune_a8.KINDS:
         compute = tune_a8.compute_of(kind, fmt, desc)
+    elif kind in tune_lut.KINDS:
+        compute = tune_lut.compute_of(kind, fmt, desc)
     else:
         compute = ops.qmatmul_func(fmt, int(desc["k"]), int(desc["n"]), int(desc["col_block"]))
     try:
@@ -220,9 +224,12 @@ def workload_of(compute: tvm.tirx.PrimFunc) -> tvm.IRModule:
 
 
 def space_of(compute: tvm.tirx.PrimFunc, target: tvm.target.Target):
-    """The design space of a kernel: ``KnobSpace`` (fp32 qmatmul) or ``tune_a8.A8KnobSpace``."""
+    """The design space of a kernel: ``KnobSpace`` (fp32 qmatmul), ``tune_a8.A8KnobSpace`` or
+    ``tune_lut.LutKnobSpace``."""
     if _kind(compute) in tune_a8.KINDS:
         return tune_a8.A8KnobSpace.of(compute, target)
+    if _kind(compute) in tune_lut.KINDS:
+        return tune_lut.LutKnobSpace.of(compute, target)
     return KnobSpace.of(compute, target)
 
 
@@ -600,9 +607,11 @@ def open_database(db_dir: Path, *, create: bool):
                       file=sys.stderr, flush=True)
     paths = [db_dir / name for name in DB_FILES]
     if paths[1].is_file():  # the records' traces name TensorIntrin variants: register them first
-        from qtvm.intrin.x86 import register_variants
+        from qtvm.intrin import x86, x86_lut
 
-        register_variants(paths[1].read_text())
+        text = paths[1].read_text()
+        x86.register_variants(text)
+        x86_lut.register_variants(text)
     return ms.database.JSONDatabase(str(paths[0]), str(paths[1]), allow_missing=create,
                                     module_equality="structural")
 

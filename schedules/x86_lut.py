@@ -91,11 +91,12 @@ def _tables_at_root(sch: s_tir.Schedule) -> None:
     sch.decompose_reduction(lut, j)
 
 
-def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool) -> s_tir.Schedule:
+def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0) -> s_tir.Schedule:
     """Parallel over column blocks; per group, block and plane, ``intrin_name`` replaces the
     16-column lookup nest of the partials (kept in registers: stack allocas), walking the
     bit stream in storage order; then alphas and bias fold them into the output accumulator.
-    ``halves``: the partials have a (column, half) axis after the column (int16 tables)."""
+    ``halves``: the partials have a (column, half) axis after the column (int16 tables).
+    ``unroll``: pragma_auto_unroll_max_step of each group's lookups (0: loops)."""
     from qtvm.intrin import x86_lut as intrin
 
     acc_g, _ = tile_columns_then_groups(sch, desc, int(desc["col_block"]), scope="global")
@@ -112,6 +113,9 @@ def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool) -> s_tir
     sch.reorder(*pb, *plane, jo, ji, *half, *inner)
     sch.decompose_reduction(part, (pb + plane + [jo])[0])
     sch.tensorize(ji, intrin_name)
+    if not (isinstance(unroll, int) and unroll == 0):
+        sch.annotate((pb + plane + [jo])[0], "pragma_auto_unroll_max_step", unroll)
+        sch.annotate((pb + plane + [jo])[0], "pragma_unroll_explicit", 1)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_ACC))[-1])
     sch.decompose_reduction(sch.get_sblock(ops.BLOCK_ACC), acc_g)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
@@ -119,20 +123,28 @@ def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool) -> s_tir
     return sch
 
 
-def schedule_lut16_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    """The 16-entry LUT GEMV (``qtvm.lut_gemv.lut16_gemv_func``): tables at the root, then one
-    TensorIntrin per (block, plane, 16 columns) looks up the 8 nibbles (``qtvm.intrin.x86_lut``)."""
-    from qtvm.intrin import x86_lut as intrin
+def lut_prefetch_bytes(target: tvm.target.Target, a8: bool) -> int:
+    """How far ahead the LUT GEMV prefetches its bit stream (fp32 tables, or int16 with
+    ``a8``): the target's facts (a measured row, else the defaults measured on Zen 5)."""
+    from schedules.target_facts import CpuFacts, cpu_facts
 
+    try:
+        facts = cpu_facts(target)
+    except ValueError:  # an mcpu the table does not know: the default
+        facts = CpuFacts
+    return int(facts.lut_a8_prefetch_bytes if a8 else facts.lut_prefetch_bytes)
+
+
+def schedule_lut16_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, **knobs) -> s_tir.Schedule | None:
+    """The 16-entry LUT GEMV (``qtvm.lut_gemv.lut16_gemv_func``): tables at the root, then one
+    TensorIntrin per (block, plane, 16 columns) looks up the 8 nibbles (``qtvm.intrin.x86_lut``).
+    ``knobs``: see ``apply_lut16_x86`` (none: the target's facts)."""
     if (target.kind.name != "llvm" or func.attrs is None
-            or str(func.attrs.get(ops.KERNEL_ATTR, "")) != lut_gemv.KERNEL16):
-        return None
-    isa = lut16_isa(target)
-    if not isa:
+            or str(func.attrs.get(ops.KERNEL_ATTR, "")) != lut_gemv.KERNEL16 or not lut16_isa(target)):
         return None
     sch = s_tir.Schedule(func)
-    _tables_at_root(sch)
-    return _lookups(sch, func.attrs[ops.FORMAT_ATTR], intrin.intrin_name(isa), halves=False)
+    apply_lut16_x86(sch, target, **knobs)
+    return sch
 
 
 def lut16_a8_isa(target: tvm.target.Target) -> bool:
@@ -143,25 +155,46 @@ def lut16_a8_isa(target: tvm.target.Target) -> bool:
         return bool(codegen.llvm_cpu_has_features("avx512bw", target))
 
 
-def schedule_lut16_a8_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+def schedule_lut16_a8_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, **knobs
+                               ) -> s_tir.Schedule | None:
     """The int8-activation LUT GEMV (``qtvm.lut_gemv.lut16_a8_gemv_func``): x's group maxima and
     its int8 rounding at the root (parallel, vectorised), the int16 table pairs as the fp32
     tables; then one TensorIntrin per (block, plane, 16 columns) adds 4 vpermw lookups into the
-    plane's 32 int16 partials (``qtvm.intrin.x86_lut.register_a8``)."""
-    from qtvm.intrin import x86_lut as intrin
-
+    plane's 32 int16 partials (``qtvm.intrin.x86_lut.register_a8``). ``knobs``: as
+    ``schedule_lut16_gemv_x86``'s."""
     if (target.kind.name != "llvm" or func.attrs is None
             or str(func.attrs.get(ops.KERNEL_ATTR, "")) != lut_gemv.KERNEL16_A8 or not lut16_a8_isa(target)):
         return None
     sch = s_tir.Schedule(func)
-    amax = sch.get_sblock("amax")
-    sch.parallel(sch.get_loops(amax)[1])
-    xq = sch.get_sblock("xq")
-    ko, ki = sch.split(sch.get_loops(xq)[1], [None, 64])
-    sch.parallel(ko)
-    sch.vectorize(ki)
+    apply_lut16_x86(sch, target, **knobs)
+    return sch
+
+
+# -- tuning hook (schedules/tune_lut.py) ----------------------------------------------------
+#   prefetch_bytes: how far ahead each lookup prefetches its bit stream's line (0: none;
+#                   None: the target's facts); it names the TensorIntrin variant
+#   unroll:         pragma_auto_unroll_max_step of each group's lookups (an int or a sampled
+#                   ExprRV; 0: loops, the analytic choice)
+def apply_lut16_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, prefetch_bytes: int | None = None,
+                    unroll=0) -> None:
+    """Schedule ``sch`` (an unscheduled lut16 or lut16_a8 GEMV) for ``target``."""
+    from qtvm.intrin import x86_lut as intrin
+
+    func = sch.mod["main"]
+    a8 = str(func.attrs[ops.KERNEL_ATTR]) == lut_gemv.KERNEL16_A8
+    if prefetch_bytes is None:
+        prefetch_bytes = lut_prefetch_bytes(target, a8)
+    words = int(prefetch_bytes) // 4
+    if a8:
+        amax = sch.get_sblock("amax")
+        sch.parallel(sch.get_loops(amax)[1])
+        xq = sch.get_sblock("xq")
+        ko, ki = sch.split(sch.get_loops(xq)[1], [None, 64])
+        sch.parallel(ko)
+        sch.vectorize(ki)
     _tables_at_root(sch)
-    return _lookups(sch, func.attrs[ops.FORMAT_ATTR], intrin.register_a8(), halves=True)
+    name = intrin.register_a8(words) if a8 else intrin.intrin_name(lut16_isa(target), words)
+    _lookups(sch, func.attrs[ops.FORMAT_ATTR], name, halves=a8, unroll=unroll)
 
 
 def prefer_lut16(fmt, k: int, target: tvm.target.Target) -> bool:

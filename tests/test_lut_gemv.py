@@ -213,3 +213,36 @@ def test_lut16_a8_hot_loop_is_vpermw_with_prefetch():
     assert steps >= 4 and mix["vpternlogq"] + mix["vpternlogd"] == 4 * steps
     assert 4 * steps <= mix["vpermw"] < 5 * steps and mix["vpaddw"] >= 4 * steps
     assert not any(op.startswith(("vgather", "vpextr", "movzwl")) for op in mix)
+
+
+@pytest.mark.parametrize("a8", [False, True], ids=["fp32-tables", "int16-tables"])
+def test_lut16_prefetch_distance_is_a_knob(a8):
+    """``prefetch_bytes`` (the tuning knob; the target's facts by default) sets how far ahead
+    each lookup prefetches the bit stream, 0 none; the results do not change with it (run
+    where this CPU has the kernel's ISA: AVX2 for fp32 tables, AVX-512BW for int16)."""
+    from collections import Counter
+
+    from qtvm.bench.asm_loops import hot_loop
+    from schedules import compile_func
+    from schedules.x86_lut import lut_prefetch_bytes, schedule_lut16_a8_gemv_x86, schedule_lut16_gemv_x86
+
+    fmt, k, n = get_format("bcq3-g128"), 1000, 40
+    rng = np.random.default_rng(5)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    func = (lut_gemv.lut16_a8_gemv_func if a8 else lut_gemv.lut16_gemv_func)(fmt, k, n, NB)
+    rule, target = (schedule_lut16_a8_gemv_x86, AVX512BW) if a8 else (schedule_lut16_gemv_x86, TARGET)
+    assert lut_prefetch_bytes(target, a8) == (4096 if a8 else 6144)  # the defaults (measured on Zen 5)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    outs = {}
+    for nbytes in (None, 0, 8192):
+        lib = compile_func(rule(func, target, prefetch_bytes=nbytes).mod["main"], target)
+        asm = lib.mod.inspect_source("asm")
+        marker = "vpermw" if a8 else ("vpermd" if "vpermd" in asm else "vpermps")
+        mix = Counter(ins.split()[0] for ins in hot_loop(asm, marker))
+        assert (mix["prefetcht1"] == 0) == (nbytes == 0), nbytes
+        if HOST_AVX512BW or not a8:
+            outs[nbytes] = run_blocked(lib, x, qt)
+    for nbytes in outs:
+        np.testing.assert_array_equal(outs[nbytes], outs[None])
+        assert rel_err(outs[nbytes], lut_gemv.reference_a8(x, qt) if a8 else
+                       x.astype(np.float64) @ qt.dequantize().astype(np.float64)) < 1e-5

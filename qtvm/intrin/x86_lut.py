@@ -12,6 +12,8 @@ prefetchers alone left it at 51-58% of the read bandwidth.
 """
 from __future__ import annotations
 
+import re
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -144,8 +146,8 @@ def _make_a8(prefetch: int):
         idx = T.reinterpret(T.bitwise_or(T.bitwise_and(shifted, low_nibbles), high_pair), dtype=f"int16x{lanes16}")
         acc = acc + T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.hi.512"),
                                             A.vload([h, 0, 0], f"int16x{lanes16}"), idx, dtype=f"int16x{lanes16}")
-    body = tirx.SeqStmt([_prefetch_line(W[prefetch]),
-                         tirx.BufferStore(C, acc, [tirx.const(0, "int32"), tirx.Ramp(tirx.const(0, "int32"), 1, lanes16)])])
+    store = tirx.BufferStore(C, acc, [tirx.const(0, "int32"), tirx.Ramp(tirx.const(0, "int32"), 1, lanes16)])
+    body = tirx.SeqStmt([_prefetch_line(W[prefetch]), store]) if prefetch else store
     return desc, _with_block_body(skeleton, body)
 
 
@@ -163,3 +165,16 @@ def register_a8(prefetch: int | None = None) -> str:
     name = f"qtvm_lut16_i16x{2 * COLS}_avx512bw" + ("" if words == A8_PREFETCH_WORDS else f"_pf{words}")
     _register(name, lambda: _make_a8(words))
     return name
+
+
+_VARIANT = re.compile(r"qtvm_lut16_(?:f32x16_(avx512|avx2)|i16x32_avx512bw)_pf(\d+)")
+
+
+def register_variants(text: str) -> None:
+    """Register the prefetch variants named in ``text`` (a tuning database's records name
+    the TensorIntrins their traces tensorize with; replaying needs them registered)."""
+    for isa, words in set(_VARIANT.findall(text)):
+        if isa:
+            intrin_name(isa, int(words))
+        else:
+            register_a8(int(words))
