@@ -40,8 +40,9 @@ class QtvmGemv(peer_lib.Peer):
             qt = fmt.quantize(W)
             nb = column_block(tgt)
 
-            def build(func):  # a loaded module: its "main" runs, its time_evaluator times in C++
-                return compile_kernel(func, tgt).jit()
+            def build(func):  # (loaded module: its time_evaluator times in C++, its "main")
+                module = compile_kernel(func, tgt).jit()
+                return module, module["main"]
 
             kp = fmt.padded_k(self.K)
             from qtvm import lut_gemv
@@ -74,15 +75,16 @@ class QtvmGemv(peer_lib.Peer):
         self._x = self._tensor(x.reshape(1, -1).astype(np.float32))
 
     def _calls(self) -> list:
-        """(module, arguments) of each kernel one GEMV runs, in order."""
+        """(module, its "main", arguments) of each kernel one GEMV runs, in order. The functions
+        are looked up once: a module's ``["main"]`` costs ~50 us, more than a small GEMV."""
         _, _, kernels, scratch = self._shared
         if len(kernels) == 2:  # quantize the activations, then the int8 GEMV
-            return [(kernels[0], (self._x, *scratch)), (kernels[1], (*scratch, *self._weights, self._y))]
-        return [(kernels[0], (self._x, *self._weights, self._y))]
+            return [(*kernels[0], (self._x, *scratch)), (*kernels[1], (*scratch, *self._weights, self._y))]
+        return [(*kernels[0], (self._x, *self._weights, self._y))]
 
     def run(self) -> None:
-        for module, args in self._calls():
-            module["main"](*args)
+        for _module, main, args in self._calls():
+            main(*args)
 
     def kernel_seconds(self, iters: int) -> float:
         """Cache-hot seconds of one GEMV timed by TVM's own loop (no Python call per run):
@@ -91,7 +93,7 @@ class QtvmGemv(peer_lib.Peer):
         import tvm
 
         total = 0.0
-        for module, args in self._calls():
+        for module, _main, args in self._calls():
             timer = module.time_evaluator("main", tvm.cpu(), number=max(1, iters), repeat=5)
             total += min(timer(*args).results)
         return total
