@@ -76,6 +76,7 @@ from tvm.s_tir import meta_schedule as ms
 from qtvm import ops
 from qtvm.errors import QtvmError
 from schedules import tune_a8, tune_lut, x86
+from schedules.knob_space import DesignSpaces
 from schedules.tune_runner import machine_note, record_machine
 
 KNOB_PREFIX = "qtvm.knob."
@@ -269,7 +270,7 @@ def _weights(cands: list[int], hand: int, preferred: list[int]) -> list[float]:
 
 
 @dataclass(frozen=True)
-class KnobSpace:
+class KnobSpace(DesignSpaces):
     """The sampled knobs of one qmatmul kernel on one target."""
 
     desc: dict
@@ -327,18 +328,8 @@ class KnobSpace:
 
     def design_spaces(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
         """The ScheduleFn: one design space per (parallel, local_partials)."""
-        spaces = []
-        for parallel in (True, False):
-            for local in (True, False):
-                copy = sch.copy()
-                self.apply(copy, local_partials=local, parallel=parallel)
-                spaces.append(copy)
-        return spaces
-
-    def schedule(self, func: tvm.tirx.PrimFunc, knobs: dict) -> s_tir.Schedule:
-        sch = s_tir.Schedule(func)
-        self.apply(sch, knobs)
-        return sch
+        return self._spaces(sch, [{"local_partials": local, "parallel": parallel}
+                                  for parallel in (True, False) for local in (True, False)])
 
 
 def trace_knobs(trace) -> dict:

@@ -26,6 +26,7 @@ import tvm
 from tvm import s_tir
 
 from qtvm import ops
+from schedules.knob_space import DesignSpaces
 
 KINDS = ("qmatmul_a8", "qmatmul_a8_gemm")
 KNOB_NAMES = ("streams", "tile_cols", "prefetch_bytes", "prefetch_locality", "unroll")
@@ -57,7 +58,7 @@ def _probs(cands: list, analytic) -> list[float]:
 
 
 @dataclass(frozen=True)
-class A8KnobSpace:
+class A8KnobSpace(DesignSpaces):
     """The knobs of one int8-activation kernel on one target (same interface as
     ``schedules.tune.KnobSpace``: ``analytic``, ``apply``, ``design_spaces``, ``schedule``)."""
 
@@ -129,15 +130,4 @@ class A8KnobSpace:
 
     def design_spaces(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
         """The ScheduleFn: one design space per (streams, prefetch)."""
-        spaces = []
-        for streams in self.streams:
-            for prefetch in self.prefetch:
-                copy = sch.copy()
-                self.apply(copy, streams=streams, prefetch=prefetch)
-                spaces.append(copy)
-        return spaces
-
-    def schedule(self, func: tvm.tirx.PrimFunc, knobs: dict) -> s_tir.Schedule:
-        sch = s_tir.Schedule(func)
-        self.apply(sch, knobs)
-        return sch
+        return self._spaces(sch, [{"streams": s, "prefetch": p} for s in self.streams for p in self.prefetch])

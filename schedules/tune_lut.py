@@ -20,6 +20,7 @@ import tvm
 from tvm import s_tir
 
 from qtvm import lut_gemv, ops
+from schedules.knob_space import DesignSpaces
 
 KINDS = (lut_gemv.KERNEL16, lut_gemv.KERNEL16_A8)
 KNOB_NAMES = ("prefetch_bytes", "unroll")
@@ -34,7 +35,7 @@ def compute_of(kind: str, fmt, desc: dict) -> tvm.tirx.PrimFunc:
 
 
 @dataclass(frozen=True)
-class LutKnobSpace:
+class LutKnobSpace(DesignSpaces):
     """The knobs of one LUT GEMV on one target (the interface of ``schedules.tune.KnobSpace``:
     ``analytic``, ``apply``, ``design_spaces``, ``schedule``)."""
 
@@ -73,14 +74,4 @@ class LutKnobSpace:
 
     def design_spaces(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
         """The ScheduleFn: one design space per prefetch distance."""
-        spaces = []
-        for prefetch in self.prefetch:
-            copy = sch.copy()
-            self.apply(copy, prefetch=prefetch)
-            spaces.append(copy)
-        return spaces
-
-    def schedule(self, func: tvm.tirx.PrimFunc, knobs: dict) -> s_tir.Schedule:
-        sch = s_tir.Schedule(func)
-        self.apply(sch, knobs)
-        return sch
+        return self._spaces(sch, [{"prefetch": p} for p in self.prefetch])

@@ -31,6 +31,17 @@ def tiny_llama_int4(tiny_llama_path, tmp_path_factory):
     return result.path, result
 
 
+def matmul_model(k: int, n: int, seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """(x[batch, k] @ w -> y[batch, n]: one MatMul on a constant weight, w)."""
+    w = (np.random.default_rng(seed).standard_normal((k, n)) * 0.1).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="fc")], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), w
+
+
 def mlp_model(k: int = 100, hidden: int = 70, n: int = 37, seed: int = 0) -> onnx.ModelProto:
     """x[batch, k] -> Gemm(transB=1, bias) -> Relu -> MatMul -> y; plus x @ x^T-style computed matmul."""
     rng = np.random.default_rng(seed)

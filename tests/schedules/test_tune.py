@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 from qtvm.cli import build_parser
@@ -24,19 +23,12 @@ from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune
+from tests.conftest import matmul_model
 
 PRESET = "int4-g128"
 K, N = 256, 128
 
 
-def _matmul_model(k: int, n: int, seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
-    w = (np.random.default_rng(seed).standard_normal((k, n)) * 0.1).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="fc")], "mm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
-        [numpy_helper.from_array(w, "w")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), w
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +39,7 @@ def target():
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, target):
     """(onnx path, weight, Relax module with one analytic int4-g128 kernel)."""
-    model, w = _matmul_model(K, N)
+    model, w = matmul_model(K, N)
     path = tmp_path_factory.mktemp("model") / "mm.onnx"
     onnx.save(model, str(path))
     mod, _meta, _summary, _notes = build_module(path, target, PRESET)
@@ -208,7 +200,7 @@ def test_faster_record_is_replayed_on_the_symbolic_kernel(tuned, small, target, 
 def test_slower_tuned_record_is_not_used(target, tmp_path):
     """A deliberately bad schedule, measured for real, loses to the analytic one."""
     k, n = 1024, 512
-    model, _w = _matmul_model(k, n, seed=1)
+    model, _w = matmul_model(k, n, seed=1)
     path = tmp_path / "mm.onnx"
     onnx.save(model, str(path))
     mod, *_ = build_module(path, target, PRESET)

@@ -9,7 +9,6 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 from qtvm import ops
@@ -17,6 +16,7 @@ from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune, tune_a8, tune_runner
+from tests.conftest import matmul_model
 from tests.kernels import NB, int8_rounded_reference, rel_err, run_a8
 
 PRESET, K, N = "int4-g128", 300, 200  # K not a multiple of the group, N of the column block
@@ -29,14 +29,9 @@ def target():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, target):
-    w = (np.random.default_rng(0).standard_normal((K, N)) * 0.1).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="fc")], "mm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", N])],
-        [numpy_helper.from_array(w, "w")])
+    model, w = matmul_model(K, N)
     path = tmp_path_factory.mktemp("model") / "mm.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    onnx.save(model, str(path))
     mod, _meta, _summary, _notes = build_module(path, target, PRESET, "int8")
     return path, w, mod
 

@@ -9,7 +9,6 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 from qtvm import lut_gemv, ops
@@ -17,6 +16,7 @@ from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune, tune_lut, tune_runner
+from tests.conftest import matmul_model
 from schedules.x86_lut import lut16_a8_isa
 from tests.kernels import NB, rel_err, run_blocked
 
@@ -29,14 +29,9 @@ def target():
 
 
 def _model(tmp_path_factory, target, activations):
-    w = (np.random.default_rng(0).standard_normal((K, N)) * 0.1).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="fc")], "mm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", N])],
-        [numpy_helper.from_array(w, "w")])
+    model, w = matmul_model(K, N)
     path = tmp_path_factory.mktemp("model") / "mm.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    onnx.save(model, str(path))
     mod, _meta, _summary, _notes = build_module(path, target, PRESET, activations)
     return w, mod
 
