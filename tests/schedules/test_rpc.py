@@ -27,7 +27,12 @@ from qtvm.errors import QtvmError
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import rpc, tune
-from tests.schedules.test_tune import _check_numerics, _kernel, _matmul_model
+from tests.conftest import matmul_model
+from tests.schedules.test_tune import _check_numerics, _kernel
+
+# Tuning measures kernels against each other: these modules share one xdist worker, so two
+# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("tuning")
 
 KEY = "qtvm-test"
 K, N = 256, 128
@@ -111,7 +116,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    m, w = _matmul_model(K, N)
+    m, w = matmul_model(K, N)
     path = tmp_path_factory.mktemp("model") / "mm.onnx"
     onnx.save(m, str(path))
     return path, w
@@ -275,6 +280,7 @@ def test_server_killed_mid_tuning(model, tmp_path):
 
 FAKE_SERVER = """
 import json, socket, struct, sys
+
 tracker_port, key = int(sys.argv[1]), sys.argv[2]
 srv = socket.socket()
 srv.bind(("127.0.0.1", 0))

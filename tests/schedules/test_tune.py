@@ -25,6 +25,10 @@ from qtvm.target import parse_target
 from schedules import tune
 from tests.conftest import matmul_model
 
+# Tuning measures kernels against each other: these modules share one xdist worker, so two
+# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("tuning")
+
 PRESET = "int4-g128"
 K, N = 256, 128
 
@@ -197,8 +201,11 @@ def test_faster_record_is_replayed_on_the_symbolic_kernel(tuned, small, target, 
     _check_numerics(new, target, w)
 
 
-def test_slower_tuned_record_is_not_used(target, tmp_path):
-    """A deliberately bad schedule, measured for real, loses to the analytic one."""
+def test_a_tuned_record_is_used_only_where_it_measured_faster(target, tmp_path):
+    """A deliberately bad schedule and the analytic one, measured for real: apply_database
+    follows the measurements and the margin. (The "bad" one is usually slower, but not on
+    every CPU and not always while another test process shares the cores: both outcomes are
+    checked exactly, whichever the measurement gave.)"""
     k, n = 1024, 512
     model, _w = matmul_model(k, n, seed=1)
     path = tmp_path / "mm.onnx"
@@ -223,11 +230,14 @@ def test_slower_tuned_record_is_not_used(target, tmp_path):
     assert all(s is not None for s in secs)
     for sch, s in zip(schs, secs):
         tune.commit_record(db, wl, sch, s, target)
-    assert min(secs[1]) > min(secs[0])  # it is slower, measured the same way
     del db
     new, notes = tune.apply_database(mod, target, db_dir)
-    assert tvm.ir.assert_structural_equal(_kernel(new)[1], func) is None
-    assert len(notes) == 1 and "not faster" in notes[0] and "analytic schedule" in notes[0]
+    assert len(notes) == 1
+    if min(secs[1]) < min(secs[0]) * (1 - tune.MARGIN):  # measured faster by the margin: used
+        assert "tuned schedule" in notes[0] and tune.kernel_knobs(_kernel(new)[1]) == bad
+    else:
+        assert tvm.ir.assert_structural_equal(_kernel(new)[1], func) is None
+        assert "not faster" in notes[0] and "analytic schedule" in notes[0]
 
 
 def test_tuned_within_noise_margin_is_not_used(tuned, small, target, tmp_path):

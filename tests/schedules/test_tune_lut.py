@@ -20,6 +20,10 @@ from tests.conftest import matmul_model
 from schedules.x86_lut import lut16_a8_isa
 from tests.kernels import NB, rel_err, run_blocked
 
+# Tuning measures kernels against each other: these modules share one xdist worker, so two
+# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("tuning")
+
 PRESET, K, N = "bcq3-g128", 384, 200  # N not a multiple of the column block
 
 
