@@ -92,19 +92,23 @@ def test_prefill_space_point_computes_the_rounded_product(target):
         assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def tuned(model, target, tmp_path_factory):
-    """6 trials with a small rotation (the runner's logic, at a test's cost)."""
-    db_dir = tmp_path_factory.mktemp("tune") / "db"
+def tune_with_a_small_rotation(mod, target, db_dir, trials: int, seed: int, progress: bool = False):
+    """``tune.tune_kernels`` with the cold runner's logic at a test's cost (a small rotation)."""
     make = tune.make_runner
     tune.make_runner = lambda: tune_runner.ColdRunner(rounds=2, calls_per_round=8, min_total_bytes=8 << 20,
                                                       l3_bytes=1 << 20)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            report = tune.tune_kernels(model[2], target, db_dir, 6, progress=True, seed=3)
+            return tune.tune_kernels(mod, target, db_dir, trials, progress=progress, seed=seed)
     finally:
         tune.make_runner = make
-    return db_dir, report
+
+
+@pytest.fixture(scope="module")
+def tuned(model, target, tmp_path_factory):
+    """6 trials with a small rotation."""
+    db_dir = tmp_path_factory.mktemp("tune") / "db"
+    return db_dir, tune_with_a_small_rotation(model[2], target, db_dir, 6, seed=3, progress=True)
 
 
 def test_tuning_records_the_knobs_and_the_machine(tuned, model, target):

@@ -2,9 +2,6 @@
 database with the cold-weight runner, and the tuned model against the reference."""
 from __future__ import annotations
 
-import contextlib
-import io
-
 import numpy as np
 import onnx
 import pytest
@@ -15,10 +12,11 @@ from qtvm import lut_gemv, ops
 from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
-from schedules import tune, tune_lut, tune_runner
-from tests.conftest import matmul_model
+from schedules import tune, tune_lut
 from schedules.x86_lut import lut16_a8_isa
+from tests.conftest import matmul_model
 from tests.kernels import NB, rel_err, run_blocked
+from tests.schedules.test_tune_a8 import tune_with_a_small_rotation
 
 # Tuning measures kernels against each other: these modules share one xdist worker, so two
 # of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
@@ -92,15 +90,7 @@ def test_tuning_and_applying_the_database(target, tmp_path_factory):
     kernels = _lut_kernels(mod)
     assert len(kernels) == 1
     db_dir = tmp_path_factory.mktemp("tune") / "db"
-    make = tune.make_runner
-    tune.make_runner = lambda: tune_runner.ColdRunner(rounds=2, calls_per_round=8, min_total_bytes=8 << 20,
-                                                      l3_bytes=1 << 20)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            report = tune.tune_kernels(mod, target, db_dir, 4, progress=False, seed=5)
-    finally:
-        tune.make_runner = make
-    (row,) = report.kernels
+    (row,) = tune_with_a_small_rotation(mod, target, db_dir, 4, seed=5).kernels
     assert row.analytic_s and row.analytic_knobs["unroll"] == 0
     db = tune.open_database(db_dir, create=False)
     compute, why = tune.unscheduled_kernel(kernels[0][1], target)
