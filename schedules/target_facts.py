@@ -529,6 +529,15 @@ def cpu_facts(target: Any) -> CpuFacts:
     return table_facts(mcpu, mattr, cores=num_cores)
 
 
+def schedule_facts(target: Any):
+    """What a schedule rule reads for ``target``: :func:`cpu_facts`, or for an ``mcpu`` the
+    table does not know the defaults (the :class:`CpuFacts` field defaults, no measured row)."""
+    try:
+        return cpu_facts(target)
+    except ValueError:
+        return CpuFacts
+
+
 def table_facts(mcpu: str, mattr: Any = (), *, cores: int | None = None) -> CpuFacts:
     """Facts of ``mcpu`` from :data:`CPU_TABLE` alone (never the host), adjusted by
     ``mattr`` (a list of "+feat"/"-feat", or a comma-separated string)."""

@@ -256,12 +256,9 @@ def a8_prefetch(target: tvm.target.Target, prefill: bool = False) -> tuple[int, 
     """(bytes ahead, locality) of the weight prefetch: the target's facts (``target_facts``:
     a measured row of its table, else the default), overridden by tuning. ``prefill``: for
     the row-tiled prefill kernel, (0, 0) where the facts say it runs faster without."""
-    from schedules.target_facts import CpuFacts, cpu_facts
+    from schedules.target_facts import schedule_facts
 
-    try:
-        facts = cpu_facts(target)
-    except ValueError:  # an mcpu the table does not know: the default
-        return CpuFacts.prefetch_bytes, CpuFacts.prefetch_locality
+    facts = schedule_facts(target)
     if prefill and not facts.prefill_prefetch:
         return 0, 0
     return facts.prefetch_bytes, facts.prefetch_locality
@@ -270,12 +267,9 @@ def a8_prefetch(target: tvm.target.Target, prefill: bool = False) -> tuple[int, 
 def a8_tile_cols(target: tvm.target.Target, cols: int) -> int:
     """Columns per pass of the int8 GEMV over a group's rows: the target's measured fact
     where it has one and it divides ``cols``, else ``cols`` (whole rows, one pass)."""
-    from schedules.target_facts import cpu_facts
+    from schedules.target_facts import schedule_facts
 
-    try:
-        pass_cols = cpu_facts(target).a8_pass_cols
-    except ValueError:  # an mcpu the table does not know
-        return cols
+    pass_cols = schedule_facts(target).a8_pass_cols
     return pass_cols if pass_cols and cols % pass_cols == 0 else cols
 
 

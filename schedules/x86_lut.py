@@ -126,12 +126,9 @@ def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0
 def lut_prefetch_bytes(target: tvm.target.Target, a8: bool) -> int:
     """How far ahead the LUT GEMV prefetches its bit stream (fp32 tables, or int16 with
     ``a8``): the target's facts (a measured row, else the defaults measured on Zen 5)."""
-    from schedules.target_facts import CpuFacts, cpu_facts
+    from schedules.target_facts import schedule_facts
 
-    try:
-        facts = cpu_facts(target)
-    except ValueError:  # an mcpu the table does not know: the default
-        facts = CpuFacts
+    facts = schedule_facts(target)
     return int(facts.lut_a8_prefetch_bytes if a8 else facts.lut_prefetch_bytes)
 
 
