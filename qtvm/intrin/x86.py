@@ -12,13 +12,17 @@ Codes are unpacked by byte planes. A *unit* is 4 values of a column in the
             value w*(32/b) + i*(8/b) + p; this is the plain packing (value j of
             a word at bits [b*j, b*j + b)), so 2/4-bit weights need no relayout.
   b = 3:    ``pack_byte_planes`` re-lays QIGen's 3-word run at compile time into
-            the same 32 values in 3 words: words 0-1 hold the low 2 bits of
-            values 0-15 / 16-31 as 2-bit planes, word 2 their high bits, placed
-            so that one shift puts unit u's high bits at bit 2 of each byte:
-            code = lo | hi (one ``vpternlogd`` on AVX-512), still 3 bits per weight.
+            the same 32 values in 3 words, unit u = values 4u..4u+3 (byte i: 4u+i)
+            in word u % 3 at bit 3 * (u // 3) of each byte: units 0-5 whole (3 bits),
+            units 6 and 7 their low 2 bits (bits 6-7 of words 0, 1), their high bits
+            at bits 6 and 7 of word 2. Units 0-5 are one mask each (3-5 in place: 8 x
+            code, still a u8, shifted back once per block as the 4-bit high nibbles
+            are); units 6 and 7 take two shifts, a mask and a ternary op. Still 3
+            bits per weight (the 2-bit planes + high-bit word this replaced took
+            28 unpack instructions per block, 12 of them shifts; now 14, 4).
 The 4 activations of unit u sit at positions 4u..4u+3 (``act_position``), so
 each unit's activations are one broadcast int32. The dot per ISA (``_block_dot``):
-``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI) with 4-bit high nibbles masked in place (no
+``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI) with fields not at bit 0 masked in place (no
 shift), or ``vpmaddubsw`` into int16 sums and one ``vpmaddwd`` per block (AVX2,
 AVX-512BW); codes are the unsigned operand. Each step prefetches its lines a
 distance ahead (a knob: ``intrin_name(..., prefetch)``; a hint: past the end of
@@ -54,30 +58,32 @@ ISA_DOT = {"avx512vnni": "vpdpbusd", "avx512bw": "vpmaddubsw", "avxvnni": "vpdpb
 STEP_COLS = 16  # columns of one GEMV step: one 64-byte line of int32 words
 
 
-def _plane_bits(bits: int) -> int:
-    """Bits of the plane-packed part of a code (3-bit codes: their 2 low bits)."""
-    return 2 if bits == 3 else bits
-
-
 def act_position(bits: int, j):
     """Value j (0..31) of a block -> its activation position 4 * unit + byte (TIR or int)."""
-    pb = _plane_bits(bits)
-    vpw, planes = 32 // pb, 8 // pb
+    if bits == 3:
+        return j
+    vpw, planes = 32 // bits, 8 // bits
     unit = (j // vpw) * planes + (j % vpw) % planes
     return unit * 4 + (j % vpw) // planes
 
 
 def act_value(bits: int, q):
     """Activation position q (0..31) -> value index j within a block (inverse of act_position)."""
-    pb = _plane_bits(bits)
-    vpw, planes = 32 // pb, 8 // pb
+    if bits == 3:
+        return q
+    vpw, planes = 32 // bits, 8 // bits
     unit, byte = q // 4, q % 4
     return (unit // planes) * vpw + byte * planes + unit % planes
 
 
-def _int3_high_bit(j):
-    """Bit of word 2 holding the high bit of value j: byte (j % 16) // 4, bit = unit."""
-    return 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
+INT3_WHOLE_UNITS = 6  # int3 units 0-5 sit whole in one byte; 6 and 7 are split (see the module doc)
+
+
+def _int3_place(u: int, byte: int) -> tuple[int, int, int, int]:
+    """(word, bit, width) of unit u's low bits in ``byte`` of a block, and the bit of its
+    high bit in word 2 (-1: none, the code is whole)."""
+    split = u >= INT3_WHOLE_UNITS
+    return u % 3, 8 * byte + 3 * (u // 3), 2 if split else 3, 8 * byte + u if split else -1
 
 
 def block_code(bits: int, word, j):
@@ -85,8 +91,10 @@ def block_code(bits: int, word, j):
     if bits != 3:
         vpw = 32 // bits
         return tirx.bitwise_and(tirx.shift_right(word(j // vpw), (j % vpw) * bits), (1 << bits) - 1)
-    lo = tirx.bitwise_and(tirx.shift_right(word(j // 16), (j % 16) * 2), 3)
-    hi = tirx.bitwise_and(tirx.shift_right(word(2), _int3_high_bit(j)), 1)
+    # ``_int3_place`` without a Select, so the words a block reads stay [0, 3) for tensorize
+    u, byte = j // 4, j % 4
+    lo = tirx.bitwise_and(tirx.shift_right(word(u % 3), 8 * byte + 3 * (u // 3)), tirx.shift_right(7, u // 6))
+    hi = tirx.bitwise_and(tirx.shift_right(word(2), 8 * byte + u), u // 6)
     return tirx.bitwise_or(lo, tirx.shift_left(hi, 2))
 
 
@@ -101,8 +109,10 @@ def pack_byte_planes(codes: np.ndarray, bits: int) -> np.ndarray:
     words = np.zeros((kp // BLOCK, bits, n), np.uint64)
     for j in range(BLOCK):
         if bits == 3:
-            words[:, j // 16] |= (blocks[:, j] & np.uint64(3)) << np.uint64(2 * (j % 16))
-            words[:, 2] |= (blocks[:, j] >> np.uint64(2)) << np.uint64(_int3_high_bit(j))
+            t, bit, width, hi_bit = _int3_place(j // 4, j % 4)
+            words[:, t] |= (blocks[:, j] & np.uint64((1 << width) - 1)) << np.uint64(bit)
+            if hi_bit >= 0:
+                words[:, 2] |= (blocks[:, j] >> np.uint64(2)) << np.uint64(hi_bit)
         else:
             vpw = 32 // bits
             words[:, j // vpw] |= blocks[:, j] << np.uint64(bits * (j % vpw))
@@ -116,8 +126,10 @@ def unpack_byte_planes(words: np.ndarray, bits: int) -> np.ndarray:
     codes = np.empty((rows // bits, BLOCK, n), np.uint64)
     for j in range(BLOCK):
         if bits == 3:
-            lo = (w[:, j // 16] >> np.uint64(2 * (j % 16))) & np.uint64(3)
-            codes[:, j] = lo | (((w[:, 2] >> np.uint64(_int3_high_bit(j))) & np.uint64(1)) << np.uint64(2))
+            t, bit, width, hi_bit = _int3_place(j // 4, j % 4)
+            codes[:, j] = (w[:, t] >> np.uint64(bit)) & np.uint64((1 << width) - 1)
+            if hi_bit >= 0:
+                codes[:, j] |= ((w[:, 2] >> np.uint64(hi_bit)) & np.uint64(1)) << np.uint64(2)
         else:
             vpw = 32 // bits
             codes[:, j] = (w[:, j // vpw] >> np.uint64(bits * (j % vpw))) & np.uint64((1 << bits) - 1)
@@ -135,38 +147,40 @@ def intrin_name(bits: int, isa: str, prefetch=None) -> str:
     return name
 
 
-def _unit_codes(bits: int, W, lanes: int, col=0, high_in_place: bool = False) -> list:
-    """The 8 unit vectors (int32 x lanes, 4 codes a lane) of one block, in unit order,
-    for the columns [col, col + lanes) of W.
+def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False) -> list:
+    """(code, shift) of the 8 units of one block (int32 x lanes, 4 codes a lane), in unit
+    order, for the columns [col, col + lanes) of W: the unit's codes are ``code >> shift``.
 
-    ``high_in_place`` (4-bit only): the high-nibble units are masked where they sit
-    (``w & 0xF0F0F0F0`` = 16 x code, still a u8 per byte) instead of shifted down;
-    their dots are 16x too large and are shifted back once per block (``_block_dot``)."""
-    vec = f"int32x{lanes}"
-    const = lambda v: T.broadcast(T.int32(v), lanes)  # noqa: E731
+    ``in_place`` (VNNI, whose dot takes u8 codes up to 255): units whose field does not
+    start at bit 0 of the byte are masked where they sit (``w & 0xF0F0F0F0`` = 16 x code:
+    4-bit high nibbles; ``w & 0x38383838`` = 8 x code: int3's odd whole units) instead of
+    shifted down; their dots are shifted back once per block (``_block_dot``). Not int2:
+    its planes at bits 2, 4, 6 need four chains, which spilled and measured no faster
+    (40 instructions per block against 36; 35.7 against 36.5 GB/s cache-hot on EMR)."""
+    const = lambda v: T.broadcast(T.int32(v - (1 << 32) if v >= 1 << 31 else v), lanes)  # noqa: E731
 
     def row(t):
-        return W.vload([t, col], vec)
+        return W.vload([t, col], f"int32x{lanes}")
+
+    def field(t, bit, width, keep_place=False):
+        mask = ((1 << width) - 1) * 0x01010101
+        if keep_place:
+            return T.bitwise_and(row(t), const(mask << bit)), bit
+        w = T.shift_right(row(t), const(bit)) if bit else row(t)
+        return T.bitwise_and(w, const(mask)), 0
 
     units = []
     for u in range(8):
         if bits == 3:
-            lo = T.bitwise_and(T.shift_right(row(u // 4), const(2 * (u % 4))), const(0x03030303))
-            # High bits of unit u sit at bit u of each byte: move them to bit 2.
-            h = row(2)
-            h = T.shift_right(h, const(u - 2)) if u >= 2 else T.shift_left(h, const(2 - u))
-            units.append(T.bitwise_or(lo, T.bitwise_and(h, const(0x04040404))))
-        elif bits == 4 and high_in_place and u % 2:
-            units.append(T.bitwise_and(row(u // 2), const(_HIGH_NIBBLES)))
+            t, bit, width, hi_bit = _int3_place(u, 0)
+            code, shift = field(t, bit, width, in_place and width == 3)
+            if hi_bit >= 0:  # the high bit, from bit u of word 2's bytes to bit 2
+                code = T.bitwise_or(code, T.bitwise_and(T.shift_right(row(2), const(hi_bit - 2)), const(0x04040404)))
+            units.append((code, shift))
         else:
-            planes, mask = 8 // bits, ((1 << bits) - 1) * 0x01010101
-            w = row(u // planes)
-            shift = bits * (u % planes)
-            units.append(T.bitwise_and(T.shift_right(w, const(shift)) if shift else w, const(mask)))
+            planes = 8 // bits
+            units.append(field(u // planes, bits * (u % planes), bits, in_place and bits == 4 and u % 2 == 1))
     return units
-
-
-_HIGH_NIBBLES = 0xF0F0F0F0 - (1 << 32)  # as an int32
 
 
 def _vpdpbusd(lanes: int, acc, code, x):
@@ -190,30 +204,33 @@ def _pairs_to_i32(isa: str, lanes: int, pairs):
                                    dtype=f"int32x{lanes}")
 
 
-def _block_dot(isa: str, lanes: int, codes: list, xs: list, high_in_place: bool = False, chains: int = 2):
-    """The int32 dot of one 32-value block, from zero, with the fewest instructions per ISA.
+def _block_dot(isa: str, lanes: int, units: list, xs: list, chains: int = 2):
+    """The int32 dot of one 32-value block, from zero, with the fewest instructions per ISA;
+    ``units``: (code, shift) from ``_unit_codes``.
 
-    VNNI: one ``vpdpbusd`` per unit, in ``chains`` dependency chains (2: even / odd units;
-    a register tile has the parallelism already and takes 1); with ``high_in_place`` the odd
-    chain holds the in-place high nibbles of 4-bit codes (16 x code), shifted back once:
-    lo + (hi >> 4), exact since hi is a multiple of 16.
+    VNNI: one ``vpdpbusd`` per unit, one dependency chain per shift (in-place units: the
+    chain holds 2^shift x its dot, shifted back once: exact, as it is a multiple); where all
+    units share a shift, ``chains`` chains (2: even / odd units; a register tile has the
+    parallelism already and takes 1).
     AVX2 / AVX-512BW: ``vpmaddubsw`` per unit into two int16 chains, then one
     ``vpmaddwd`` per block (8 units x 3810 = 30480 fits int16 for codes < 16), instead
     of a ``vpmaddwd`` + add per unit."""
     if ISA_DOT[isa] == "vpdpbusd":
-        if chains == 1 and not high_in_place:
-            acc = T.broadcast(T.int32(0), lanes)
-            for code, x in zip(codes, xs):
-                acc = _vpdpbusd(lanes, acc, code, x)
-            return acc
-        acc2 = [T.broadcast(T.int32(0), lanes), T.broadcast(T.int32(0), lanes)]
-        for u, (code, x) in enumerate(zip(codes, xs)):
-            acc2[u % 2] = _vpdpbusd(lanes, acc2[u % 2], code, x)
-        if high_in_place:
-            return acc2[0] + T.shift_right(acc2[1], T.broadcast(T.int32(4), lanes))
-        return acc2[0] + acc2[1]
+        shifts = sorted({shift for _, shift in units})
+        key = (lambda u, shift: shifts.index(shift)) if len(shifts) > 1 else (lambda u, shift: u % chains)
+        accs = {}
+        for u, ((code, shift), x) in enumerate(zip(units, xs)):
+            k = key(u, shift)
+            accs[k] = _vpdpbusd(lanes, accs.get(k, T.broadcast(T.int32(0), lanes)), code, x)
+        total = None
+        for k, acc in sorted(accs.items()):
+            shift = shifts[k] if len(shifts) > 1 else shifts[0]
+            term = T.shift_right(acc, T.broadcast(T.int32(shift), lanes)) if shift else acc
+            total = term if total is None else total + term
+        return total
+    assert all(shift == 0 for _, shift in units), "vpmaddubsw takes unit codes < 16"
     sums = [None, None]
-    for u, (code, x) in enumerate(zip(codes, xs)):
+    for u, ((code, _), x) in enumerate(zip(units, xs)):
         pair = _maddubs(isa, lanes, code, x)
         sums[u % 2] = pair if sums[u % 2] is None else sums[u % 2] + pair
     return _pairs_to_i32(isa, lanes, sums[0] + sums[1])
@@ -268,17 +285,12 @@ def _make(bits: int, isa: str, prefetch=None):
     A, W, C = skeleton.params
     stmts = [] if prefetch == (0, 0) else [tirx.Evaluate(_prefetch(W, t, 0, prefetch)) for t in range(bits)]
     xs = [_acts(lanes, lambda u=u: A.vload([u * 4], "int8x4")) for u in range(8)]
-    in_place = _high_in_place(isa, bits)
+    in_place = ISA_DOT[isa] == "vpdpbusd"
     for v in range(cols // lanes):
-        total = _block_dot(isa, lanes, _unit_codes(bits, W, lanes, v * lanes, in_place), xs, in_place)
+        total = _block_dot(isa, lanes, _unit_codes(bits, W, lanes, v * lanes, in_place), xs)
         ramp = tirx.Ramp(tirx.const(v * lanes, "int32"), 1, lanes)
         stmts.append(tirx.BufferStore(C, C.vload([v * lanes], i32v) + total, [ramp]))
     return desc, _with_block_body(skeleton, stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts))
-
-
-def _high_in_place(isa: str, bits: int) -> bool:
-    """4-bit high nibbles masked in place: only where the dot takes u8 codes up to 240 (VNNI)."""
-    return bits == 4 and ISA_DOT[isa] == "vpdpbusd"
 
 
 def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):

@@ -41,14 +41,22 @@ def test_2_and_4_bit_byte_planes_are_the_storage_packing(bits):
     np.testing.assert_array_equal(x86.pack_byte_planes(codes, bits), get_format(f"int{bits}-g128").pack(codes))
 
 
-def test_int3_unit_high_bits_sit_at_the_unit_index_of_each_byte():
-    """One shift by (unit - 2) moves a unit's high bits to bit 2 of every byte."""
+def test_int3_units_0_to_5_sit_whole_in_one_byte_field():
+    """Unit u (values 4u..4u+3) in word u % 3 at bit 3 * (u // 3) of every byte: units 0-5
+    whole (one mask each), units 6 and 7 their low 2 bits there and their high bit at bit u
+    of word 2's bytes."""
+    assert [x86.act_value(3, q) for q in range(x86.BLOCK)] == list(range(x86.BLOCK))
     for u in range(8):
-        codes = np.zeros((32, 1), np.uint32)
-        values = [x86.act_value(3, 4 * u + byte) for byte in range(4)]
-        codes[values] = 4  # only the high bit set
-        hi_word = int(x86.pack_byte_planes(codes, 3).view(np.uint32)[2, 0])
-        assert hi_word == sum(1 << (8 * byte + u) for byte in range(4))
+        for code in range(1, 8):
+            codes = np.zeros((32, 1), np.uint32)
+            codes[4 * u:4 * u + 4] = code
+            words = x86.pack_byte_planes(codes, 3).view(np.uint32)[:, 0].astype(np.int64)
+            lo = code if u < 6 else code & 3
+            expect = [0, 0, 0]
+            expect[u % 3] = sum(lo << (8 * byte + 3 * (u // 3)) for byte in range(4))
+            if u >= 6 and code >> 2:
+                expect[2] |= sum(1 << (8 * byte + u) for byte in range(4))
+            assert list(words) == expect, (u, code)
 
 
 def test_every_intrinsic_is_registered_with_a_systematic_name():

@@ -109,10 +109,15 @@ def test_maddubs_block_sums_in_int16(isa):
     assert m.count("vpaddw") == 7
 
 
-def test_int3_unpack_merges_the_high_bit_with_one_ternary_op():
+def test_int3_vnni_block_masks_six_units_and_merges_two():
+    """int3 per block on VNNI: units 0-5 one mask each (3-5 in place, one shift back per
+    block), units 6 and 7 two shifts, a mask and a ternary op each (the old layout: 28
+    unpack instructions per block, 12 of them shifts)."""
     m = _mix("int3-g128", "avx512vnni")
-    assert m.count("vpternlogd") == 8
     assert m.count("vpdpbusd") == 8
+    assert m.count("vpand") == 8 and m.count("vpternlog") == 2
+    assert m.count("vpsrld", "vpslld") == 4 and m.count("vpsrad") == 1
+    assert m.per_block <= 40
 
 
 def test_prefill_prefetch_comes_from_the_target_facts():
