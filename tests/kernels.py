@@ -10,13 +10,15 @@ from schedules import compile_kernel
 
 NB = 64  # column block of the x86 rules
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # runs on every supported x86 host
-# One target per byte-dot ISA of the int8-activation kernels; RUNNABLE: those this host executes.
+# One target per byte-dot ISA of the int8-activation kernels (and the AVX-512 VNNI one with
+# GFNI's 2/3-bit unpack: alderlake has GFNI too, on ymm); RUNNABLE: those this host executes.
 ISA_TARGETS = {"avx2": AVX2,
-               "avxvnni": tvm.target.Target({"kind": "llvm", "mcpu": "alderlake"}),  # AVX-VNNI, no AVX-512
+               "avxvnni": tvm.target.Target({"kind": "llvm", "mcpu": "alderlake"}),  # AVX-VNNI + GFNI, no AVX-512
                "avx512bw": tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}),
-               "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"})}
-ISA_FLAGS = {"avx2": {"avx2"}, "avxvnni": {"avx2", "avx_vnni"}, "avx512bw": {"avx512bw"},
-             "avx512vnni": {"avx512bw", "avx512_vnni"}}
+               "avx512vnni": tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"}),
+               "avx512vnni_gfni": tvm.target.Target({"kind": "llvm", "mcpu": "icelake-server"})}
+ISA_FLAGS = {"avx2": {"avx2"}, "avxvnni": {"avx2", "avx_vnni", "gfni"}, "avx512bw": {"avx512bw"},
+             "avx512vnni": {"avx512bw", "avx512_vnni"}, "avx512vnni_gfni": {"avx512bw", "avx512_vnni", "gfni"}}
 RUNNABLE = [isa for isa, flags in ISA_FLAGS.items() if flags <= host_cpu_flags()]
 
 

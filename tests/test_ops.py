@@ -83,9 +83,10 @@ def test_int8_dot_asm(preset, isa, pattern, register):
         assert any(instr in line and register in line for line in lines), instr
     assert "vpextrd" not in asm and "vpextrb" not in asm
     assert "prefetcht1" in asm  # the weight stream is prefetched ahead, into L2
-    # unpack: vector shifts and masks of whole code words (VNNI int4: masks only, the
-    # high nibbles' dot shifted back once per block by an arithmetic shift)
-    assert any(("vpsrld" in line or "vpsrad" in line) and register in line for line in lines)
+    # unpack: vector shifts (GFNI targets: affine ops) and masks of whole code words (VNNI
+    # int4: masks only, the high nibbles' dot shifted back once per block by an arithmetic shift)
+    assert any(("vpsrld" in line or "vpsrad" in line or "vgf2p8affineqb" in line) and register in line
+               for line in lines)
     assert any("vpand" in line and register in line for line in lines)
 
 

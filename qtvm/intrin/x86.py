@@ -38,6 +38,7 @@ from tvm.script import tirx as T
 
 BLOCK = 32  # weights (and activations) per intrinsic call, per column
 BITS = (2, 3, 4)  # codes the byte-plane unpack handles
+GFNI_BITS = (2, 3)  # widths with fields above bit 0 that a GFNI target unpacks by vgf2p8affineqb
 
 # Default software prefetch of the weight stream, in rows of the column-blocked array:
 # 24 rows of a 64-column int32 block = 6 KiB ahead, into L2 (prefetcht1). Measured
@@ -136,18 +137,26 @@ def unpack_byte_planes(words: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(rows // bits * BLOCK, n).astype(np.uint32)
 
 
-def intrin_name(bits: int, isa: str, prefetch=None) -> str:
+def intrin_name(bits: int, isa: str, prefetch=None, gfni: bool = False) -> str:
     """The GEMV step's name; ``prefetch`` (rows ahead, locality) other than the default
-    names a variant (``_pf24l2``; ``_nopf`` for (0, 0)), registered on first use."""
-    name = f"qtvm_dot_u{bits}s8_i32x{STEP_COLS}_{isa}"
+    names a variant (``_pf24l2``; ``_nopf`` for (0, 0)), as does ``gfni`` for the widths
+    it changes (``_gfni``: ``GFNI_BITS``); variants are registered on first use."""
+    return _variant(f"qtvm_dot_u{bits}s8_i32x{STEP_COLS}_{isa}", bits, prefetch, gfni,
+                    lambda pf, g: _make(bits, isa, pf, g))
+
+
+def _variant(base: str, bits: int, prefetch, gfni: bool, make) -> str:
+    gfni = bool(gfni) and bits in GFNI_BITS
+    pf = None
     if prefetch is not None and tuple(prefetch) != (PREFETCH_ROWS, PREFETCH_LOCALITY):
-        rows, locality = (int(v) for v in prefetch)
-        name += "_nopf" if rows == 0 else f"_pf{rows}l{locality}"
-        _register(name, lambda: _make(bits, isa, (rows, locality)))
+        pf = tuple(int(v) for v in prefetch)
+    name = base + ("_gfni" if gfni else "") + ("" if pf is None else "_nopf" if pf[0] == 0 else f"_pf{pf[0]}l{pf[1]}")
+    if gfni or pf is not None:
+        _register(name, lambda: make(pf, gfni))
     return name
 
 
-def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False) -> list:
+def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False, gfni: bool = False) -> list:
     """(code, shift) of the 8 units of one block (int32 x lanes, 4 codes a lane), in unit
     order, for the columns [col, col + lanes) of W: the unit's codes are ``code >> shift``.
 
@@ -156,7 +165,9 @@ def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False) -> list
     4-bit high nibbles; ``w & 0x38383838`` = 8 x code: int3's odd whole units) instead of
     shifted down; their dots are shifted back once per block (``_block_dot``). Not int2:
     its planes at bits 2, 4, 6 need four chains, which spilled and measured no faster
-    (40 instructions per block against 36; 35.7 against 36.5 GB/s cache-hot on EMR)."""
+    (40 instructions per block against 36; 35.7 against 36.5 GB/s cache-hot on EMR).
+    ``gfni``: a field above bit 0 is moved down and masked by one ``vgf2p8affineqb`` (each
+    byte times a bit matrix) instead of a shift and a mask (``_gf2_field``)."""
     const = lambda v: T.broadcast(T.int32(v - (1 << 32) if v >= 1 << 31 else v), lanes)  # noqa: E731
 
     def row(t):
@@ -166,6 +177,8 @@ def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False) -> list
         mask = ((1 << width) - 1) * 0x01010101
         if keep_place:
             return T.bitwise_and(row(t), const(mask << bit)), bit
+        if gfni and bit:
+            return _gf2_field(row(t), lanes, bit, width), 0
         w = T.shift_right(row(t), const(bit)) if bit else row(t)
         return T.bitwise_and(w, const(mask)), 0
 
@@ -181,6 +194,19 @@ def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False) -> list
             planes = 8 // bits
             units.append(field(u // planes, bits * (u % planes), bits, in_place and bits == 4 and u % 2 == 1))
     return units
+
+
+def _gf2_field(word, lanes: int, bit: int, width: int):
+    """Bits [bit, bit + width) of every byte of ``word`` moved to bit 0, the rest zero: one
+    GF(2) affine transform (``vgf2p8affineqb``: output bit i of a byte is the parity of the
+    byte AND matrix byte 7 - i), whose matrix row 7 - i selects input bit ``bit + i``."""
+    matrix = sum((1 << (bit + i)) << (8 * (7 - i)) for i in range(width))
+    matrix = T.reinterpret(T.broadcast(T.int64(matrix - (1 << 64) if matrix >= 1 << 63 else matrix), lanes // 2),
+                          dtype=f"int8x{lanes * 4}")
+    out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(f"llvm.x86.vgf2p8affineqb.{lanes * 32}"),
+                                  T.reinterpret(word, dtype=f"int8x{lanes * 4}"), matrix, T.int8(0),
+                                  dtype=f"int8x{lanes * 4}")
+    return T.reinterpret(out, dtype=f"int32x{lanes}")
 
 
 def _vpdpbusd(lanes: int, acc, code, x):
@@ -247,7 +273,7 @@ def _prefetch(W, t, col=0, prefetch=None):
                               T.int32(0), T.int32(locality), T.int32(1))
 
 
-def _make(bits: int, isa: str, prefetch=None):
+def _make(bits: int, isa: str, prefetch=None, gfni: bool = False):
     """The GEMV step: one 32-value block of ``STEP_COLS`` columns (one 64-byte line of each
     weight row: one zmm, or two ymm), so each call prefetches each line it will need once.
 
@@ -287,13 +313,13 @@ def _make(bits: int, isa: str, prefetch=None):
     xs = [_acts(lanes, lambda u=u: A.vload([u * 4], "int8x4")) for u in range(8)]
     in_place = ISA_DOT[isa] == "vpdpbusd"
     for v in range(cols // lanes):
-        total = _block_dot(isa, lanes, _unit_codes(bits, W, lanes, v * lanes, in_place), xs)
+        total = _block_dot(isa, lanes, _unit_codes(bits, W, lanes, v * lanes, in_place, gfni), xs)
         ramp = tirx.Ramp(tirx.const(v * lanes, "int32"), 1, lanes)
         stmts.append(tirx.BufferStore(C, C.vload([v * lanes], i32v) + total, [ramp]))
     return desc, _with_block_body(skeleton, stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts))
 
 
-def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
+def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None, gfni: bool = False):
     """The prefill step: a ``rows`` x (``vecs`` vectors) register tile; each unit of each
     column vector is unpacked once and dotted with every row (QIGen's micro-GEMV tile:
     rows broadcasts + vecs codes + rows * vecs accumulators fit the registers).
@@ -332,7 +358,7 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
     lines = [v for v in range(vecs) if v * lanes * 4 % 64 == 0]  # one prefetch per 64-byte line
     stmts = [] if prefetch == (0, 0) else [tirx.Evaluate(_prefetch(W, t, v * lanes, prefetch))
                                            for t in range(bits) for v in lines]
-    codes = [_unit_codes(bits, W, lanes, v * lanes) for v in range(vecs)]
+    codes = [_unit_codes(bits, W, lanes, v * lanes, gfni=gfni) for v in range(vecs)]
     sums = {}
     for r in range(rows):
         xs = [_acts(lanes, lambda u=u: A.vload([r, u * 4], "int8x4")) for u in range(8)]
@@ -361,14 +387,10 @@ ROW_TILE = 4
 TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 
 
-def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:
-    """The prefill tile's name; ``prefetch`` as in ``intrin_name``."""
-    name = f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}"
-    if prefetch is not None and tuple(prefetch) != (PREFETCH_ROWS, PREFETCH_LOCALITY):
-        rows, locality = (int(v) for v in prefetch)
-        name += "_nopf" if rows == 0 else f"_pf{rows}l{locality}"
-        _register(name, lambda: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], (rows, locality)))
-    return name
+def tile_intrin_name(bits: int, isa: str, prefetch=None, gfni: bool = False) -> str:
+    """The prefill tile's name; ``prefetch`` and ``gfni`` as in ``intrin_name``."""
+    return _variant(f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}", bits, prefetch, gfni,
+                    lambda pf, g: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], pf, g))
 
 
 def _register(name: str, make) -> None:
@@ -379,15 +401,15 @@ def _register(name: str, make) -> None:
 
 
 _VARIANT = re.compile(r"qtvm_(dot|gemm)_u([234])s8_i32x\d+(?:_\dx\d)?_(avx512vnni|avx512bw|avxvnni|avx2)"
-                      r"_(?:nopf|pf(\d+)l(\d))")
+                      r"(_gfni)?(?:_(nopf|pf(\d+)l(\d)))?")
 
 
 def register_variants(text: str) -> None:
-    """Register the prefetch variants named in ``text`` (a tuning database's records name
-    the TensorIntrins their traces tensorize with; replaying needs them registered)."""
-    for kind, bits, isa, rows, locality in set(_VARIANT.findall(text)):
-        prefetch = (int(rows), int(locality)) if rows else (0, 0)
-        (intrin_name if kind == "dot" else tile_intrin_name)(int(bits), isa, prefetch)
+    """Register the variants named in ``text`` (a tuning database's records name the
+    TensorIntrins their traces tensorize with; replaying needs them registered)."""
+    for kind, bits, isa, gfni, pf, rows, locality in set(_VARIANT.findall(text)):
+        prefetch = None if not pf else (0, 0) if pf == "nopf" else (int(rows), int(locality))
+        (intrin_name if kind == "dot" else tile_intrin_name)(int(bits), isa, prefetch, bool(gfni))
 
 
 def register_all() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from tvm import s_tir
 
 from qtvm import ops
 from qtvm.bench.asm_loops import block_mix
@@ -118,6 +119,35 @@ def test_int3_vnni_block_masks_six_units_and_merges_two():
     assert m.count("vpand") == 8 and m.count("vpternlog") == 2
     assert m.count("vpsrld", "vpslld") == 4 and m.count("vpsrad") == 1
     assert m.per_block <= 40
+
+
+@pytest.mark.parametrize("preset,fields", [("int2-g64", 6), ("int3-g128", 2)])
+def test_gfni_moves_each_field_down_with_one_affine_op(preset, fields):
+    """With GFNI, the 2/3-bit fields above bit 0 (int2: 6 per block; int3: units 6 and 7's
+    low bits) are one vgf2p8affineqb each instead of a shift and a mask; without, none."""
+    func = ops.qmatmul_a8_func(get_format(preset), 4096, 256, NB)
+    gfni, plain = ISA_TARGETS["avx512vnni_gfni"], ISA_TARGETS["avx512vnni"]
+    assert x86.unpack_gfni(gfni) and not x86.unpack_gfni(plain)
+    mixes = {}
+    for name, target in (("gfni", gfni), ("plain", plain)):
+        sch = x86.schedule_qmatmul_a8_x86(func, target)
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
+        mixes[name] = block_mix(lib.mod.inspect_source("asm"), "avx512vnni")
+    assert mixes["gfni"].count("vgf2p8affineqb") == fields and mixes["plain"].count("vgf2p8affineqb") == 0
+    assert mixes["gfni"].count("vpsrld") == mixes["plain"].count("vpsrld") - fields
+    assert mixes["gfni"].per_block <= mixes["plain"].per_block - fields + 0.5
+
+
+def test_gfni_variants_are_named_and_replayed():
+    """A tuning record names the GFNI variant it tensorized with; replay registers it (as the
+    prefetch variants), and widths without fields above bit 0 (int4) have no such variant."""
+    assert intrin.intrin_name(2, "avx512vnni", gfni=True) == "qtvm_dot_u2s8_i32x16_avx512vnni_gfni"
+    assert intrin.intrin_name(4, "avx512vnni", gfni=True) == intrin.intrin_name(4, "avx512vnni")
+    name = intrin.tile_intrin_name(3, "avxvnni", (0, 0), gfni=True)
+    assert name.endswith("_avxvnni_gfni_nopf")
+    assert intrin._VARIANT.fullmatch(name) and intrin._VARIANT.fullmatch("qtvm_dot_u3s8_i32x16_avx2_gfni_pf16l3")
+    intrin.register_variants('{"trace": "qtvm_dot_u3s8_i32x16_avx512bw_gfni_pf40l3"}')
+    assert s_tir.TensorIntrin.get("qtvm_dot_u3s8_i32x16_avx512bw_gfni_pf40l3") is not None
 
 
 def test_prefill_prefetch_comes_from_the_target_facts():
