@@ -155,7 +155,7 @@ def dot_isa(target: tvm.target.Target) -> str:
 
 
 def unpack_gfni(target: tvm.target.Target) -> bool:
-    """Whether the int8 kernels unpack 2/3-bit fields with ``vgf2p8affineqb`` (one GF(2)
+    """Whether the int8 GEMV unpacks 2/3-bit fields with ``vgf2p8affineqb`` (one GF(2)
     affine op per field instead of a shift and a mask): where the target has GFNI (Ice Lake
     and later Intel, Zen 4/5; Alder Lake's on ymm). int2 cache-hot on Emerald Rapids: 34 ->
     44 GB/s; int3: 44 -> 49."""
@@ -327,7 +327,7 @@ def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
     sch.reorder(acc_g, acc_r, acc_j)
     loop, blocks = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True)
     prefetch = a8_prefetch(target, prefill=True) if prefetch is None else prefetch
-    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb), unpack_gfni(target)))
+    sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb)))  # no GFNI: see there
     _unroll(sch, blocks, unroll)
     claim_chunks.mark(sch, jo)
 

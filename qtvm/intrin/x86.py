@@ -319,7 +319,7 @@ def _make(bits: int, isa: str, prefetch=None, gfni: bool = False):
     return desc, _with_block_body(skeleton, stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts))
 
 
-def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None, gfni: bool = False):
+def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
     """The prefill step: a ``rows`` x (``vecs`` vectors) register tile; each unit of each
     column vector is unpacked once and dotted with every row (QIGen's micro-GEMV tile:
     rows broadcasts + vecs codes + rows * vecs accumulators fit the registers).
@@ -358,7 +358,7 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None, gfni: b
     lines = [v for v in range(vecs) if v * lanes * 4 % 64 == 0]  # one prefetch per 64-byte line
     stmts = [] if prefetch == (0, 0) else [tirx.Evaluate(_prefetch(W, t, v * lanes, prefetch))
                                            for t in range(bits) for v in lines]
-    codes = [_unit_codes(bits, W, lanes, v * lanes, gfni=gfni) for v in range(vecs)]
+    codes = [_unit_codes(bits, W, lanes, v * lanes) for v in range(vecs)]
     sums = {}
     for r in range(rows):
         xs = [_acts(lanes, lambda u=u: A.vload([r, u * 4], "int8x4")) for u in range(8)]
@@ -387,10 +387,13 @@ ROW_TILE = 4
 TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 
 
-def tile_intrin_name(bits: int, isa: str, prefetch=None, gfni: bool = False) -> str:
-    """The prefill tile's name; ``prefetch`` and ``gfni`` as in ``intrin_name``."""
-    return _variant(f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}", bits, prefetch, gfni,
-                    lambda pf, g: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], pf, g))
+def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:
+    """The prefill tile's name; ``prefetch`` as in ``intrin_name``. No GFNI variant: the tile
+    unpacks each unit once for 4 rows, and with ``vgf2p8affineqb`` it measured 1.44x slower
+    (int2 and int3, M = 16, 4096^2, EMR: 3.6 against 2.5 ms), its matrices taking registers
+    the 16 accumulators need."""
+    return _variant(f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}", bits, prefetch, False,
+                    lambda pf, g: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], pf))
 
 
 def _register(name: str, make) -> None:
@@ -409,7 +412,10 @@ def register_variants(text: str) -> None:
     TensorIntrins their traces tensorize with; replaying needs them registered)."""
     for kind, bits, isa, gfni, pf, rows, locality in set(_VARIANT.findall(text)):
         prefetch = None if not pf else (0, 0) if pf == "nopf" else (int(rows), int(locality))
-        (intrin_name if kind == "dot" else tile_intrin_name)(int(bits), isa, prefetch, bool(gfni))
+        if kind == "dot":
+            intrin_name(int(bits), isa, prefetch, bool(gfni))
+        else:
+            tile_intrin_name(int(bits), isa, prefetch)
 
 
 def register_all() -> None:

@@ -140,12 +140,17 @@ def test_gfni_moves_each_field_down_with_one_affine_op(preset, fields):
 
 def test_gfni_variants_are_named_and_replayed():
     """A tuning record names the GFNI variant it tensorized with; replay registers it (as the
-    prefetch variants), and widths without fields above bit 0 (int4) have no such variant."""
+    prefetch variants), and widths without fields above bit 0 (int4) have no such variant.
+    The prefill tile has none (measured slower) and its rule does not ask for one."""
     assert intrin.intrin_name(2, "avx512vnni", gfni=True) == "qtvm_dot_u2s8_i32x16_avx512vnni_gfni"
     assert intrin.intrin_name(4, "avx512vnni", gfni=True) == intrin.intrin_name(4, "avx512vnni")
-    name = intrin.tile_intrin_name(3, "avxvnni", (0, 0), gfni=True)
+    name = intrin.intrin_name(3, "avxvnni", (0, 0), gfni=True)
     assert name.endswith("_avxvnni_gfni_nopf")
     assert intrin._VARIANT.fullmatch(name) and intrin._VARIANT.fullmatch("qtvm_dot_u3s8_i32x16_avx2_gfni_pf16l3")
+    func = ops.qmatmul_a8_gemm_func(get_format("int2-g64"), 4096, 256, NB, intrin.ROW_TILE)
+    trace = x86.schedule_qmatmul_a8_gemm_x86(func, ISA_TARGETS["avx512vnni_gfni"]).trace.as_python()
+    tensorized = [line for line in trace if "tensorize" in line]
+    assert tensorized and "qtvm_gemm_u2s8" in tensorized[0] and "gfni" not in tensorized[0]
     intrin.register_variants('{"trace": "qtvm_dot_u3s8_i32x16_avx512bw_gfni_pf40l3"}')
     assert s_tir.TensorIntrin.get("qtvm_dot_u3s8_i32x16_avx512bw_gfni_pf40l3") is not None
 
