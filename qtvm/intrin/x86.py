@@ -390,8 +390,8 @@ TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:
     """The prefill tile's name; ``prefetch`` as in ``intrin_name``. No GFNI variant: the tile
     unpacks each unit once for 4 rows, and with ``vgf2p8affineqb`` it measured 1.44x slower
-    (int2 and int3, M = 16, 4096^2, EMR: 3.6 against 2.5 ms), its matrices taking registers
-    the 16 accumulators need."""
+    (int2 and int3, M = 16, 4096^2, EMR: 3.6 against 2.5 ms; not investigated: the 16
+    accumulators leave few registers for its matrices, a likely cause)."""
     return _variant(f"qtvm_gemm_u{bits}s8_i32x{ISAS[isa]}_{ROW_TILE}x{TILE_VECS[isa]}_{isa}", bits, prefetch, False,
                     lambda pf, g: _make_tile(bits, isa, ROW_TILE, TILE_VECS[isa], pf))
 
