@@ -77,14 +77,13 @@ def act_value(bits: int, q):
     return (unit // planes) * vpw + byte * planes + unit % planes
 
 
-INT3_WHOLE_UNITS = 6  # int3 units 0-5 sit whole in one byte; 6 and 7 are split (see the module doc)
-
-
-def _int3_place(u: int, byte: int) -> tuple[int, int, int, int]:
-    """(word, bit, width) of unit u's low bits in ``byte`` of a block, and the bit of its
-    high bit in word 2 (-1: none, the code is whole)."""
-    split = u >= INT3_WHOLE_UNITS
-    return u % 3, 8 * byte + 3 * (u // 3), 2 if split else 3, 8 * byte + u if split else -1
+def _int3_place(u, byte):
+    """Where unit u's code sits in ``byte`` of a block: (word, bit, mask) of its low bits and
+    (bit, mask) of its high bit in word 2 (mask 0: units 0-5 are whole). Arithmetic only, so
+    the same definition serves ints (packing) and TIR (``block_code``: no Select, which would
+    widen the words a block reads past [0, 3) for tensorize)."""
+    split = u // 6  # 1 for units 6 and 7
+    return u % 3, 8 * byte + 3 * (u // 3), 7 >> split, 8 * byte + u, split
 
 
 def block_code(bits: int, word, j):
@@ -92,10 +91,9 @@ def block_code(bits: int, word, j):
     if bits != 3:
         vpw = 32 // bits
         return tirx.bitwise_and(tirx.shift_right(word(j // vpw), (j % vpw) * bits), (1 << bits) - 1)
-    # ``_int3_place`` without a Select, so the words a block reads stay [0, 3) for tensorize
-    u, byte = j // 4, j % 4
-    lo = tirx.bitwise_and(tirx.shift_right(word(u % 3), 8 * byte + 3 * (u // 3)), tirx.shift_right(7, u // 6))
-    hi = tirx.bitwise_and(tirx.shift_right(word(2), 8 * byte + u), u // 6)
+    t, bit, mask, hi_bit, hi_mask = _int3_place(j // 4, j % 4)
+    lo = tirx.bitwise_and(tirx.shift_right(word(t), bit), mask)
+    hi = tirx.bitwise_and(tirx.shift_right(word(2), hi_bit), hi_mask)
     return tirx.bitwise_or(lo, tirx.shift_left(hi, 2))
 
 
@@ -110,10 +108,9 @@ def pack_byte_planes(codes: np.ndarray, bits: int) -> np.ndarray:
     words = np.zeros((kp // BLOCK, bits, n), np.uint64)
     for j in range(BLOCK):
         if bits == 3:
-            t, bit, width, hi_bit = _int3_place(j // 4, j % 4)
-            words[:, t] |= (blocks[:, j] & np.uint64((1 << width) - 1)) << np.uint64(bit)
-            if hi_bit >= 0:
-                words[:, 2] |= (blocks[:, j] >> np.uint64(2)) << np.uint64(hi_bit)
+            t, bit, mask, hi_bit, hi_mask = (np.uint64(v) for v in _int3_place(j // 4, j % 4))
+            words[:, t] |= (blocks[:, j] & mask) << bit
+            words[:, 2] |= ((blocks[:, j] >> np.uint64(2)) & hi_mask) << hi_bit
         else:
             vpw = 32 // bits
             words[:, j // vpw] |= blocks[:, j] << np.uint64(bits * (j % vpw))
@@ -127,10 +124,8 @@ def unpack_byte_planes(words: np.ndarray, bits: int) -> np.ndarray:
     codes = np.empty((rows // bits, BLOCK, n), np.uint64)
     for j in range(BLOCK):
         if bits == 3:
-            t, bit, width, hi_bit = _int3_place(j // 4, j % 4)
-            codes[:, j] = (w[:, t] >> np.uint64(bit)) & np.uint64((1 << width) - 1)
-            if hi_bit >= 0:
-                codes[:, j] |= ((w[:, 2] >> np.uint64(hi_bit)) & np.uint64(1)) << np.uint64(2)
+            t, bit, mask, hi_bit, hi_mask = (np.uint64(v) for v in _int3_place(j // 4, j % 4))
+            codes[:, j] = ((w[:, t] >> bit) & mask) | (((w[:, 2] >> hi_bit) & hi_mask) << np.uint64(2))
         else:
             vpw = 32 // bits
             codes[:, j] = (w[:, j // vpw] >> np.uint64(bits * (j % vpw))) & np.uint64((1 << bits) - 1)
@@ -185,9 +180,9 @@ def _unit_codes(bits: int, W, lanes: int, col=0, in_place: bool = False, gfni: b
     units = []
     for u in range(8):
         if bits == 3:
-            t, bit, width, hi_bit = _int3_place(u, 0)
-            code, shift = field(t, bit, width, in_place and width == 3)
-            if hi_bit >= 0:  # the high bit, from bit u of word 2's bytes to bit 2
+            t, bit, mask, hi_bit, split = _int3_place(u, 0)
+            code, shift = field(t, bit, mask.bit_length(), in_place and not split)
+            if split:  # the high bit, from bit u of word 2's bytes to bit 2
                 code = T.bitwise_or(code, T.bitwise_and(T.shift_right(row(2), const(hi_bit - 2)), const(0x04040404)))
             units.append((code, shift))
         else:
@@ -242,15 +237,13 @@ def _block_dot(isa: str, lanes: int, units: list, xs: list, chains: int = 2):
     ``vpmaddwd`` per block (8 units x 3810 = 30480 fits int16 for codes < 16), instead
     of a ``vpmaddwd`` + add per unit."""
     if ISA_DOT[isa] == "vpdpbusd":
-        shifts = sorted({shift for _, shift in units})
-        key = (lambda u, shift: shifts.index(shift)) if len(shifts) > 1 else (lambda u, shift: u % chains)
-        accs = {}
+        split = len({shift for _, shift in units}) == 1  # one shift: split into ``chains``
+        accs = {}  # (shift, chain) -> accumulator
         for u, ((code, shift), x) in enumerate(zip(units, xs)):
-            k = key(u, shift)
-            accs[k] = _vpdpbusd(lanes, accs.get(k, T.broadcast(T.int32(0), lanes)), code, x)
+            key = (shift, u % chains if split else 0)
+            accs[key] = _vpdpbusd(lanes, accs.get(key, T.broadcast(T.int32(0), lanes)), code, x)
         total = None
-        for k, acc in sorted(accs.items()):
-            shift = shifts[k] if len(shifts) > 1 else shifts[0]
+        for (shift, _), acc in sorted(accs.items()):
             term = T.shift_right(acc, T.broadcast(T.int32(shift), lanes)) if shift else acc
             total = term if total is None else total + term
         return total
