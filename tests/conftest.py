@@ -31,6 +31,12 @@ def tiny_llama_int4(tiny_llama_path, tmp_path_factory):
     return result.path, result
 
 
+# Tuning measures kernels against each other: the tuning test modules share one xdist worker
+# (``pytestmark = TUNING_WORKER``), so two of them never time kernels side by side
+# (.ci/run: -n 2 --dist loadgroup).
+TUNING_WORKER = pytest.mark.xdist_group("tuning")
+
+
 def matmul_model(k: int, n: int, seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
     """(x[batch, k] @ w -> y[batch, n]: one MatMul on a constant weight, w)."""
     w = (np.random.default_rng(seed).standard_normal((k, n)) * 0.1).astype(np.float32)

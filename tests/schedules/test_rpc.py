@@ -27,12 +27,10 @@ from qtvm.errors import QtvmError
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import rpc, tune
-from tests.conftest import matmul_model
+from tests.conftest import TUNING_WORKER, matmul_model
 from tests.schedules.test_tune import _check_numerics, _kernel
 
-# Tuning measures kernels against each other: these modules share one xdist worker, so two
-# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tuning")
+pytestmark = TUNING_WORKER  # tests/conftest.py
 
 KEY = "qtvm-test"
 K, N = 256, 128

@@ -23,11 +23,9 @@ from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune
-from tests.conftest import matmul_model
+from tests.conftest import TUNING_WORKER, matmul_model
 
-# Tuning measures kernels against each other: these modules share one xdist worker, so two
-# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tuning")
+pytestmark = TUNING_WORKER  # tests/conftest.py
 
 PRESET = "int4-g128"
 K, N = 256, 128

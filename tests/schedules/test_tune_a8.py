@@ -16,12 +16,10 @@ from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune, tune_a8, tune_runner
-from tests.conftest import matmul_model
+from tests.conftest import TUNING_WORKER, matmul_model
 from tests.kernels import NB, int8_rounded_reference, rel_err, run_a8
 
-# Tuning measures kernels against each other: these modules share one xdist worker, so two
-# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tuning")
+pytestmark = TUNING_WORKER  # tests/conftest.py
 
 PRESET, K, N = "int4-g128", 300, 200  # K not a multiple of the group, N of the column block
 

@@ -14,13 +14,11 @@ from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune, tune_lut
 from schedules.x86_lut import lut16_a8_isa
-from tests.conftest import matmul_model
+from tests.conftest import TUNING_WORKER, matmul_model
 from tests.kernels import NB, rel_err, run_blocked
 from tests.schedules.test_tune_a8 import tune_with_a_small_rotation
 
-# Tuning measures kernels against each other: these modules share one xdist worker, so two
-# of them never time kernels side by side (.ci/run: -n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tuning")
+pytestmark = TUNING_WORKER  # tests/conftest.py
 
 PRESET, K, N = "bcq3-g128", 384, 200  # N not a multiple of the column block
 
