@@ -1,5 +1,6 @@
 """The float model a quantized artefact should match: same graph, weights
-replaced by the format's dequantized values, for onnxruntime to run."""
+replaced by the format's dequantized values, for onnxruntime to run; for an
+``--act int8`` artefact, each matmul's activations rounded as its kernel rounds them."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,13 +22,31 @@ def _weight_inputs(model: onnx.ModelProto):
         yield inits[node.input[1]], trans_b
 
 
-def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat) -> onnx.ModelProto:
+class UnmodelledRounding(Exception):
+    """The int8-activation reference cannot express this graph's rounding (the caller
+    falls back to the fp32-activation reference and its looser bound)."""
+
+
+JITTER_INPUT = "qtvm_jitter/"  # name prefix of the jitter inputs ``dequantized_model(..., jitter=True)`` adds
+
+
+def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None, jitter: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` whose constant matmul weights went through ``fmt``.
 
     Each weight matmul (``qtvm.frontend.onnx.weight_sources``, the quantizer's rule) reads
     a new initializer holding the dequantized weight in the layout it consumes, so a
     weight shared with a non-matmul (a tied embedding table) stays float where qtvm
     keeps it float.
+
+    ``int8_facts`` (the artefact's target's ``KernelFacts``): the matmuls that target runs
+    with int8 activations (``KernelFacts.int8_rounding``, the pass's own decision) read
+    their input rounded the same way, part by part for a composite format, so an
+    ``--act int8`` artefact can be held to float rounding too. Raises
+    ``UnmodelledRounding`` where ONNX cannot say it here (opset < 11, Gemm with transA).
+    ``jitter``: each rounded input is first multiplied by a new float32 graph input
+    ``JITTER_INPUT<n>`` of shape [K] (fed 1 + small noise, as a different float summation
+    order perturbs x; all ones give the plain reference): the difference it makes is what the
+    rounding steps that move with the last bits cost this model.
     """
     from qtvm.frontend.onnx import weight_sources
 
@@ -46,12 +65,24 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat) -> onnx.ModelPro
             direct.setdefault(src.name, set()).add(_trans_b(src.node))
             direct_reads[src.name] = direct_reads.get(src.name, 0) + 1
     made: dict[tuple, str] = {}
+    quantized: dict[tuple, object] = {}  # (name, transposed) -> QuantizedTensor
+    rounder = _Rounder(out, jitter) if int8_facts is not None else None
     for src in sources:
         trans_b = src.node.op_type == "Gemm" and _trans_b(src.node)
         key = (src.name, src.transposed, trans_b)  # the quantized [K, N] weight, the layout the node reads
-        if key not in made:
+        if (src.name, src.transposed) not in quantized:
             kn = src.array.T if src.transposed else src.array
-            deq = fmt.quantize(np.ascontiguousarray(kn), name=src.name).dequantize()
+            quantized[src.name, src.transposed] = fmt.quantize(np.ascontiguousarray(kn), name=src.name)
+        qt = quantized[src.name, src.transposed]
+        stacked = rounder.round_input(src.index, src.node, qt, int8_facts) if rounder is not None else None
+        if stacked is not None:  # parts rounding apart: x' @ W', x' their inputs side by side
+            tensor = numpy_helper.from_array(np.ascontiguousarray(stacked.T if trans_b else stacked))
+            tensor.name = f"{src.name}.qtvm_parts{len(out.graph.initializer)}"
+            out.graph.initializer.append(tensor)
+            src.node.input[1] = tensor.name
+            continue
+        if key not in made:
+            deq = qt.dequantize()
             stored = numpy_helper.from_array(np.ascontiguousarray(deq.T if trans_b else deq).astype(np.float32))
             only_matmuls = direct_reads.get(src.name) == reads.get(src.name) and direct.get(src.name) == {trans_b}
             if src.node.input[1] == src.name and src.name in inits and only_matmuls:
@@ -62,6 +93,8 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat) -> onnx.ModelPro
                 made[key] = stored.name = f"{src.name}.qtvm_dequantized{len(made)}"
                 out.graph.initializer.append(stored)
         src.node.input[1] = made[key]
+    if rounder is not None:
+        rounder.insert_nodes()
     used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
     kept = [t for t in out.graph.initializer if t.name in used]
     del out.graph.initializer[:]
@@ -71,3 +104,101 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat) -> onnx.ModelPro
 
 def _trans_b(node: onnx.NodeProto) -> bool:
     return any(a.name == "transB" and a.i for a in node.attribute)
+
+
+class _Rounder:
+    """Emits, in front of a matmul, the int8 rounding of its input (``schedules.facts.ActRounding``)."""
+
+    def __init__(self, model: onnx.ModelProto, jitter: bool = False):
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if opset < 11:
+            raise UnmodelledRounding(f"opset {opset} has no Round/Pad with tensor inputs (needs 11)")
+        self.model, self.opset, self.count, self.jitter = model, opset, 0, jitter
+        self.before: dict[int, list[onnx.NodeProto]] = {}  # graph index -> nodes to insert ahead of it
+        self.at = -1
+
+    def insert_nodes(self) -> None:
+        nodes = []
+        for index, node in enumerate(self.model.graph.node):
+            nodes += self.before.get(index, [])
+            nodes.append(onnx.NodeProto())
+            nodes[-1].CopyFrom(node)
+        del self.model.graph.node[:]
+        self.model.graph.node.extend(nodes)
+
+    def round_input(self, index: int, node: onnx.NodeProto, qt, facts) -> np.ndarray | None:
+        """Round ``node``'s input as the target's kernels for ``qt`` do. Returns the stacked
+        [K', N] weight when the format's kernel parts round apart (mixed-2-4-16's 4-bit rows:
+        the node then reads Concat(part inputs) @ stacked), else None (it keeps its weight)."""
+        self.at = index
+        if any(a.name == "transA" and a.i for a in node.attribute):
+            raise UnmodelledRounding(f"{node.op_type} '{node.name}' has transA")
+        parts = qt.fmt.kernel_parts(qt, **facts.parts_options)
+        roundings = [facts.int8_rounding(part.fmt, part.k) for _, part in parts.dense]
+        x = node.input[0]
+        if all(r is None for r in roundings):
+            return None
+        if len(parts.dense) == 1 and parts.dense[0][0] is None and parts.sparse is None:
+            node.input[0] = self._rounded(x, qt.fmt.padded_k(qt.k), qt.k, roundings[0])
+            return None
+        pieces, weights = [], []
+        for (rows, part), rounding in zip(parts.dense, roundings):
+            piece = x if rows is None else self._emit("Gather", [x, self._const(np.asarray(rows, np.int64))], axis=-1)
+            if rounding is not None:
+                piece = self._rounded(piece, part.fmt.padded_k(part.k), part.k, rounding)
+            pieces.append(piece)
+            weights.append(part.dequantize().astype(np.float32))
+        if parts.sparse is not None:
+            indptr, indices, values = parts.sparse
+            dense = np.zeros((qt.k, qt.n), np.float32)
+            cols = np.repeat(np.arange(qt.n), np.diff(indptr))
+            np.add.at(dense, (np.asarray(indices, np.int64), cols), np.asarray(values, np.float32))
+            pieces.append(x)
+            weights.append(dense)
+        node.input[0] = self._emit("Concat", pieces, axis=-1)
+        return np.concatenate(weights, axis=0)
+
+    def _rounded(self, x: str, kp: int, k: int, rounding) -> str:
+        """x[..., k] -> x_hat: zero-padded to kp, per ``rounding.block`` values q = round(x * 127 / a)
+        clipped to +-127, x_hat = q * (a / 127), a = max |x| (the kernels' float32 arithmetic)."""
+        e, c = self._emit, self._const
+        block = rounding.block
+        flat = e("Reshape", [x, c(np.array([-1, k], np.int64))])
+        if self.jitter:
+            name = f"{JITTER_INPUT}{len(self.model.graph.input)}"
+            self.model.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [k]))
+            flat = e("Mul", [flat, name])
+        if kp > k:
+            flat = e("Pad", [flat, c(np.array([0, 0, 0, kp - k], np.int64))])
+        blocks = e("Reshape", [flat, c(np.array([-1, kp // block, block], np.int64))])
+        mags = e("Abs", [blocks])
+        if self.opset >= 18:
+            amax = e("ReduceMax", [mags, c(np.array([-1], np.int64))], keepdims=1)
+        else:
+            amax = e("ReduceMax", [mags], axes=[-1], keepdims=1)
+        inv = e("Div", [c(np.float32(127.0)), e("Max", [amax, c(np.float32(1e-30))])])
+        q = e("Clip", [e("Round", [e("Mul", [blocks, inv])]), c(np.float32(-127.0)), c(np.float32(127.0))])
+        hat = e("Reshape", [e("Mul", [q, e("Div", [amax, c(np.float32(127.0))])]), c(np.array([-1, kp], np.int64))])
+        if kp > k:
+            hat = e("Slice", [hat, c(np.array([0], np.int64)), c(np.array([k], np.int64)), c(np.array([1], np.int64))])
+        hat = e("Reshape", [hat, e("Shape", [x])])
+        if rounding.max_rows is None:
+            return hat
+        rows = e("Div", [e("Size", [x]), c(np.int64(k))])
+        return e("Where", [e("Less", [rows, c(np.int64(rounding.max_rows + 1))]), hat, x])
+
+    def _const(self, value: np.ndarray) -> str:
+        tensor = numpy_helper.from_array(np.asarray(value))
+        tensor.name = self._name("c")
+        self.model.graph.initializer.append(tensor)
+        return tensor.name
+
+    def _emit(self, op: str, inputs: list, **attrs) -> str:
+        """A node computing ``op`` ahead of the matmul being rewritten; its output's name."""
+        out = self._name(op)
+        self.before.setdefault(self.at, []).append(onnx.helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def _name(self, what: str) -> str:
+        self.count += 1
+        return f"qtvm_act_int8/{what}_{self.count}"

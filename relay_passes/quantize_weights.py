@@ -110,18 +110,17 @@ class _Rewriter(PyExprMutator):
             self.kernels[key] = self.builder_.add_func(func, name)
         return self.kernels[key]
 
-    def _int8_activations(self, fmt: QuantFormat, k: int) -> bool:
+    def _int8_rounding(self, fmt: QuantFormat, k: int):
+        """``facts.int8_rounding`` under ``--act int8`` (else None), noting the fallbacks."""
         if self.activations != "int8":
-            return False
-        if not ops.supports_int8_activations(fmt, k):
-            decode = self.facts.lut16_a8_gemv(fmt, k)  # BCQ: the decode GEMV rounds x, prefill does not
+            return None
+        rounding = self.facts.int8_rounding(fmt, k)
+        if rounding is None or rounding.max_rows is not None:
+            reason = (f"{fmt.name} with K={k}" if not ops.supports_int8_activations(fmt, k)
+                      else f"target {self.target.kind.name} has no int8 dot")
             self.report.fp32_activation_fallbacks.append(
-                f"{fmt.name} with K={k}" + (", prefill only (its decode GEMV is int8)" if decode else ""))
-            return False
-        if not self.facts.int8_activations:
-            self.report.fp32_activation_fallbacks.append(f"target {self.target.kind.name} has no int8 dot")
-            return False
-        return True
+                reason + (", prefill only (its decode GEMV is int8)" if rounding is not None else ""))
+        return rounding
 
     def _f16_activations(self, fmt: QuantFormat, k: int) -> bool:
         """fp16 activations (the decode GEMV; prefill keeps the exact fp32 GEMM)."""
@@ -161,7 +160,8 @@ class _Rewriter(PyExprMutator):
 
     def _emit_dense_padded(self, x2, qt: QuantizedTensor):
         nb = self.facts.col_block
-        if self._int8_activations(qt.fmt, qt.k):
+        rounding = self._int8_rounding(qt.fmt, qt.k)
+        if rounding is not None and rounding.max_rows is None:
             weights = [relax.const(a) for a in ops.a8_arrays(qt, nb)]
             small = self._a8_branch(qt, weights, nb, 1)
             large = self._a8_branch(qt, weights, nb, self.facts.row_tile)
@@ -179,7 +179,7 @@ class _Rewriter(PyExprMutator):
                 from qtvm.lut_gemv import lut_gemv_func
 
                 gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
-            elif self.activations == "int8" and self.facts.lut16_a8_gemv(fmt, k):  # x86 BCQ, int16 tables
+            elif rounding is not None:  # x86 BCQ's decode GEMV: int16 tables of int8-rounded x
                 from qtvm.lut_gemv import lut16_a8_gemv_func
 
                 gemv = self._kernel("lut16_a8_gemv", fmt, lambda: lut16_a8_gemv_func(fmt, k, n, nb), k, n)

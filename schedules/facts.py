@@ -20,6 +20,16 @@ def _no_options(fmt, k: int) -> dict:
 
 
 @dataclass(frozen=True)
+class ActRounding:
+    """Symmetric int8 rounding of a matmul's activations: every ``block`` consecutive values
+    of a row (K zero-padded to the format's padded K) share the scale max|x| / 127;
+    ``max_rows``: only when the matmul has at most that many rows (the decode GEMV), else all."""
+
+    block: int
+    max_rows: int | None = None
+
+
+@dataclass(frozen=True)
 class KernelFacts:
     """family: the rule family's name ("x86", "gpu").
     col_block: columns per stored block, the ``nb`` of ``[ceil(N/nb), rows, nb]``.
@@ -57,6 +67,19 @@ class KernelFacts:
     lut16_gemv: Callable = lambda fmt, k: False  # noqa: E731
     lut16_a8_gemv: Callable = lambda fmt, k: False  # noqa: E731
     f16_accumulate: dict = field(default_factory=lambda: {"fp16": "float16"})
+
+    def int8_rounding(self, fmt, k: int) -> "ActRounding | None":
+        """How ``--act int8`` rounds a matmul's activations on this target: the pass builds
+        its kernels from this, ``qtvm check`` rebuilds the same rounding for its reference.
+        None: the matmul keeps fp32 activations (no int8 kernel for the format or shape)."""
+        from qtvm import ops
+
+        if self.int8_activations and ops.supports_int8_activations(fmt, k):
+            return ActRounding(ops.ACT_BLOCK)
+        family = str(fmt.describe().get("family"))
+        if self.decode_kernel.get(family, "qmatmul") != "lut_gemv" and self.lut16_a8_gemv(fmt, k):
+            return ActRounding(fmt.group_size_for(k), max_rows=self.gemv_max_rows)  # BCQ's int16 tables
+        return None
 
     def check_format(self, fmt, target_name: str) -> None:
         """A format family this target has no kernels for is named with the ones it has."""

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtvm.check import check, default_bindings, parse_shape
+from qtvm.check import check, default_bindings, parse_shape, random_feeds
 from qtvm.errors import QtvmError
 
 
@@ -89,3 +89,92 @@ def test_kv_cache_export_dims_follow_from_symbols(hf_model, hf_compiled):
     assert {tuple(sorted(r.binding.items())) for r in report.rows} == {
         (("batch", 1), ("past", 17), ("seq", 3)), (("batch", 3), ("past", 1), ("seq", 17)),
         (("batch", 17), ("past", 3), ("seq", 1))}
+
+
+# -- --act int8 artefacts: a reference rounded as the kernels round ----------------------------
+def _one_matmul_model(k: int = 1000, n: int = 70, opset: int = 17, trans_a: bool = False) -> onnx.ModelProto:
+    """x[batch, seq, K] @ W: K = 1000 pads to the 32-value blocks and to 128-row groups."""
+    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
+    if trans_a:
+        node = helper.make_node("Gemm", ["x", "w"], ["y"], transA=1)
+        x, y = helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, "m"]), ["m", n]
+    else:
+        node = helper.make_node("MatMul", ["x", "w"], ["y"])
+        x, y = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", k]), ["batch", "seq", n]
+    graph = helper.make_graph([node], "one", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)],
+                              [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+# (format, rows whose activations its kernels round): every row, or BCQ's decode GEMV's only
+# (M <= 2); mixed-2-4-16 rounds the gathered rows of its 4-bit part, not its 2-bit ones.
+INT8_FORMATS = [("int4-g128", "all"), ("int3-g128", "all"), ("int2-g64", "all"), ("e0m4-g32", "all"),
+                ("bcq3-g128", "decode"), ("mixed-2-4-16", "all")]
+BINDINGS = [{"batch": 1, "seq": 1}, {"batch": 1, "seq": 2}, {"batch": 3, "seq": 5}]
+
+
+@pytest.mark.parametrize("quant,rounds", INT8_FORMATS)
+def test_int8_reference_rounds_as_the_kernels(tmp_path, quant, rounds):
+    """One matmul has no upstream rounding to move: against the reference that rounds its
+    input as the kernels do, the artefact is float-exact at every M; against the
+    fp32-activation reference it is not, where its kernels round (so the rounding is modelled,
+    not absent)."""
+    from qtvm.check import INT8_ACT_FLOOR, _session
+    from qtvm.formats import get_format
+    from qtvm.reference import dequantized_model
+    from qtvm.runtime import load
+
+    model = tmp_path / "one.onnx"
+    onnx.save(_one_matmul_model(), str(model))
+    art = tmp_path / "one.so"
+    assert _cli("compile", model, "--quant", quant, "--act", "int8", "-o", art).returncode == 0
+    report = check(model, art, bindings=BINDINGS)
+    assert "rounded to int8 as the kernels round them" in report.reference
+    assert [r.err_own < 1e-6 for r in report.rows] == [True] * 3, [r.err_own for r in report.rows]
+    assert report.ok and report.tolerance >= INT8_ACT_FLOOR
+
+    plain = _session(dequantized_model(onnx.load(str(model)), get_format(quant)))
+    rng = np.random.default_rng(0)
+    for binding, row in zip(BINDINGS, report.rows):
+        x = rng.standard_normal((binding["batch"], binding["seq"], 1000)).astype(np.float32)
+        got = load(art).run({"x": x})["y"]
+        err = np.abs(got - plain.run(None, {"x": x})[0]).max() / np.abs(got).max()
+        rounded = rounds == "all" or binding["batch"] * binding["seq"] <= 2
+        assert (err > 1e-4) == rounded, (binding, err)
+
+
+def test_int8_mismatch_still_exits_1(tmp_path):
+    """The flip-noise bound is not so loose that an artefact of other weights passes."""
+    a, b, art = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "a.so"
+    onnx.save(_pool_model(0), str(a))
+    onnx.save(_pool_model(1), str(b))
+    assert _cli("compile", a, "--quant", "int4-g32", "--act", "int8", "-o", art).returncode == 0
+    run = _cli("check", b, art)
+    assert run.returncode == 1 and "MISMATCH" in run.stdout and "flip noise" in run.stdout
+
+
+def test_unmodelled_rounding_declines(tmp_path):
+    """Where ONNX cannot say the rounding (opset < 11: no Round; Gemm transA), the reference
+    keeps fp32 activations and the report says so."""
+    from qtvm.check import INT8_UNMODELLED_TOLERANCE, _dequantized_reference
+    from qtvm.reference import UnmodelledRounding, dequantized_model
+    from qtvm.formats import get_format
+    from qtvm.target import parse_target
+    from schedules import facts
+
+    host = facts(parse_target("llvm -mcpu=icelake-server"))
+    with pytest.raises(UnmodelledRounding, match="opset 10"):
+        dequantized_model(_one_matmul_model(opset=10), get_format("int4-g128"), int8_facts=host)
+    with pytest.raises(UnmodelledRounding, match="transA"):
+        dequantized_model(_one_matmul_model(trans_a=True), get_format("int4-g128"), int8_facts=host)
+    meta = {"format": "int4-g128", "activations": "int8", "quantized_matmuls": 1,
+            "target": "llvm -mcpu=icelake-server"}
+    _, what, tol, jittered = _dequantized_reference(_one_matmul_model(opset=10), meta)
+    assert "not modelled: opset 10" in what and tol == INT8_UNMODELLED_TOLERANCE and jittered is None
+
+
+def test_mask_inputs_are_ones():
+    feeds = random_feeds([{"name": "attention_mask", "dtype": "int64", "shape": ["b", 4]},
+                          {"name": "input_ids", "dtype": "int64", "shape": ["b", 4]}], {"b": 2},
+                         np.random.default_rng(0), int_high=16)
+    assert (feeds["attention_mask"] == 1).all() and feeds["input_ids"].max() > 1

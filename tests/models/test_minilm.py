@@ -226,3 +226,20 @@ def test_report_int4_and_e0m4(onnx_path, feeds):
     w = next(numpy_helper.to_array(t) for t in onnx.load(str(onnx_path)).graph.initializer if t.name == first.weight)
     per_layer = first.mean_abs_err / r.layer_errors("int4-g128")[0].mean_abs_err
     assert per_layer == pytest.approx(mae_ratio_vs_int4(w, 128), rel=1e-9)
+
+
+def test_check_int8_artefact(onnx_path, feeds, tmp_path):
+    """`qtvm check` on an --act int8 artefact of a real model: the reference rounds the matmul
+    inputs as the kernels do, so the bound is the model's flip noise (~1e-2 here), not the
+    rounding itself (0.04-0.06 of the output, which the old fp32-activation reference called a
+    miscompile at every binding)."""
+    from qtvm.check import INT8_UNMODELLED_TOLERANCE, check
+    from qtvm.pipeline import compile_model
+
+    art = compile_model(onnx_path, tmp_path / "int3.so", "host", "int3-g128", activations="int8").path
+    report = check(onnx_path, art)  # default bindings: (1, 3), (3, 17), (17, 1)
+    assert report.ok, [(r.binding, r.err_own, r.flip_noise) for r in report.rows]
+    assert report.tolerance < INT8_UNMODELLED_TOLERANCE / 2
+    assert max(r.err_own for r in report.rows) > 1e-4  # int8 rounding steps moved: the bound is needed
+    sentences = check(onnx_path, art, feeds=feeds)
+    assert sentences.ok and sentences.rows[0].shape == (len(minilm.SENTENCES), 384)
