@@ -153,7 +153,7 @@ def _session(model):
 
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to qtvm
-    opts.log_severity_level = 3  # its graph-cleanup warnings are not the user's business here
+    opts.log_severity_level = 4  # its warnings are not the user's business here; its errors come back raised
     try:
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
@@ -217,9 +217,9 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         rng = np.random.default_rng(seed)
         runs = [(b, random_feeds(module.inputs, b, rng, int_high)) for b in (bindings or default_bindings(dims))]
     for binding, feed in runs:
+        want_float = _run(float_sess, feed, binding)
         got = module.run(feed)
-        want_float = dict(zip([o.name for o in float_sess.get_outputs()], float_sess.run(None, feed)))
-        want_ref = dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
+        want_ref = _run(ref_sess, feed, binding)
         noise = _flip_noise(jitter_sess, feed, want_ref, rng_jitter) if jitter_sess is not None else {}
         for name, value in got.items():
             report.rows.append(OutputCheck(binding, name, tuple(value.shape), _rel(value, want_float[name]),
@@ -227,6 +227,18 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     if report.tolerance is None:  # int8: the bound this model's flip noise sets
         report.tolerance = max(INT8_ACT_FLOOR, FLIP_FACTOR * max(r.flip_noise for r in report.rows))
     return report
+
+
+def _run(session, feed: dict, binding: dict) -> dict:
+    """Output name -> value; onnxruntime's refusal of a binding as one line naming it."""
+    try:
+        return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
+        where = ",".join(f"{k}={v}" for k, v in binding.items()) or "the given inputs"
+        message = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", str(e).strip().splitlines()[0])
+        raise QtvmError(f"onnxruntime cannot run the model at {where} ({message[:200]})",
+                        "bind dims that must agree (a KV export's mask length is past + seq) with --shape, "
+                        "e.g. --shape batch=1,seq=3,past=5,<mask dim>=8") from None
 
 
 def _flip_noise(session, feed: dict, want: dict, rng: np.random.Generator) -> dict:

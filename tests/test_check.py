@@ -178,3 +178,19 @@ def test_mask_inputs_are_ones():
                           {"name": "input_ids", "dtype": "int64", "shape": ["b", 4]}], {"b": 2},
                          np.random.default_rng(0), int_high=16)
     assert (feeds["attention_mask"] == 1).all() and feeds["input_ids"].max() > 1
+
+
+def test_onnxruntime_refusing_a_binding_is_one_line():
+    """Dims that must agree but were bound apart (a dynamo KV export's mask length is its own
+    symbol, in truth past + seq): onnxruntime's refusal comes back as a QtvmError naming the
+    binding and the fix, not an internal error."""
+    from qtvm.check import _run, _session
+
+    nodes = [helper.make_node("Add", ["a", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "agree", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n"]),
+                                               helper.make_tensor_value_info("b", TensorProto.FLOAT, ["m"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    sess = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    with pytest.raises(QtvmError, match=r"cannot run the model at n=2,m=3 .*--shape") as err:
+        _run(sess, {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)}, {"n": 2, "m": 3})
+    assert "\n" not in str(err.value) and "ONNXRuntimeError" not in str(err.value)
