@@ -94,6 +94,27 @@ def _symbolic_dims(inputs: list[dict]) -> list[str]:
     return dims
 
 
+def tied_dims(meta: dict) -> dict:
+    """Symbol -> the expression it must equal, from what the compiler found: a KV-cache
+    export whose mask length is a symbol of its own (torch.onnx's dynamo exporter names it
+    like ``s53``) has it equal past + seq (``kv_step``: the mask, a cache's length axis, the
+    ids). Bound apart, onnxruntime refuses the model."""
+    kv = meta.get("kv_step")
+    if not kv:
+        return {}
+    from qtvm import dims as dimexpr
+
+    shapes = {i["name"]: i["shape"] for i in meta["inputs"]}
+    try:
+        total, past, seq = shapes[kv["mask"]][-1], shapes[kv["caches"][0]][kv["axis"]], shapes[kv["ids"]][-1]
+    except (KeyError, IndexError, TypeError):
+        return {}
+    plain = [isinstance(d, str) and d != "?" and dimexpr.parse(d) is None for d in (total, past, seq)]
+    if not all(plain) or total in (past, seq):
+        return {}
+    return {total: f"{past} + {seq}"}
+
+
 def _evaluate(dim: str, binding: dict):
     from qtvm import dims as dimexpr
 
@@ -162,12 +183,13 @@ def _session(model):
 
 
 def _dequantized_reference(model, meta: dict):
-    """(onnx model, description, tolerance, jittered model or None) of what the artefact must
-    equal; the jittered model (int8 artefacts) measures the flip noise that sets the tolerance."""
+    """(onnx model, description, tolerance) of what the artefact must equal. An int8 artefact's
+    reference has jitter inputs (``qtvm.reference.JITTER_INPUT``: fed ones it is the reference,
+    fed noise it measures the flip noise that sets the tolerance, None until then)."""
     fmt_name = meta.get("format", "none")
     int8 = meta.get("activations") == "int8"
     if fmt_name == "none" or "quantized_matmuls" not in meta:
-        return model, "the float model (no weights were quantized)", FP32_TOLERANCE, None
+        return model, "the float model (no weights were quantized)", FP32_TOLERANCE
     from qtvm.formats import PRESETS, get_format
     from qtvm.reference import UnmodelledRounding, dequantized_model
 
@@ -176,18 +198,17 @@ def _dequantized_reference(model, meta: dict):
                         "check an artefact compiled with a preset from `qtvm formats`")
     fmt, what = get_format(fmt_name), f"onnxruntime on the {fmt_name} weights dequantized"
     if not int8:
-        return dequantized_model(model, fmt), what, FP32_TOLERANCE, None
+        return dequantized_model(model, fmt), what, FP32_TOLERANCE
     from qtvm.target import parse_target
     from schedules import facts
 
     target_facts = facts(parse_target(meta["target"]))
     try:
-        rounded = dequantized_model(model, fmt, int8_facts=target_facts)
+        rounded = dequantized_model(model, fmt, int8_facts=target_facts, jitter=True)
     except UnmodelledRounding as e:
         return (dequantized_model(model, fmt), what + f" (int8 activations not modelled: {e}; their "
-                "rounding is in the error)", INT8_UNMODELLED_TOLERANCE, None)
-    jittered = dequantized_model(model, fmt, int8_facts=target_facts, jitter=True)
-    return rounded, what + ", matmul inputs rounded to int8 as the kernels round them", None, jittered
+                "rounding is in the error)", INT8_UNMODELLED_TOLERANCE)
+    return rounded, what + ", matmul inputs rounded to int8 as the kernels round them", None
 
 
 def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict | None = None,
@@ -205,22 +226,31 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     if model_inputs != [i["name"] for i in module.inputs]:
         raise QtvmError(f"the artefact takes inputs {[i['name'] for i in module.inputs]} but the model "
                         f"takes {model_inputs}", "pass the model the artefact was compiled from")
-    ref_model, reference, default_tol, jittered = _dequantized_reference(model, meta)
+    ref_model, reference, default_tol = _dequantized_reference(model, meta)
     float_sess, ref_sess = _session(model), _session(ref_model)
-    jitter_sess = _session(jittered) if jittered is not None else None
+    from qtvm.reference import JITTER_INPUT
+
+    jitter_inputs = [(i.name, i.shape[0]) for i in ref_sess.get_inputs() if i.name.startswith(JITTER_INPUT)]
+    no_jitter = {name: np.ones(k, np.float32) for name, k in jitter_inputs}
     report = CheckReport(tolerance if tolerance is not None else default_tol, reference)
-    dims = _symbolic_dims(module.inputs)
+    tied = tied_dims(meta)
+    dims = [d for d in _symbolic_dims(module.inputs) if d not in tied]
     rng_jitter = np.random.default_rng(seed + 1)
     if feeds is not None:
         runs = [({}, feeds)]
     else:
         rng = np.random.default_rng(seed)
-        runs = [(b, random_feeds(module.inputs, b, rng, int_high)) for b in (bindings or default_bindings(dims))]
+        bindings = [dict(b) for b in (bindings or default_bindings(dims))]
+        for b in bindings:
+            for name, expr in tied.items():
+                if name not in b and _evaluate(expr, b) is not None:
+                    b[name] = _evaluate(expr, b)
+        runs = [(b, random_feeds(module.inputs, b, rng, int_high)) for b in bindings]
     for binding, feed in runs:
         want_float = _run(float_sess, feed, binding)
         got = module.run(feed)
-        want_ref = _run(ref_sess, feed, binding)
-        noise = _flip_noise(jitter_sess, feed, want_ref, rng_jitter) if jitter_sess is not None else {}
+        want_ref = _run(ref_sess, {**feed, **no_jitter}, binding)
+        noise = _flip_noise(ref_sess, feed, jitter_inputs, want_ref, rng_jitter) if jitter_inputs else {}
         for name, value in got.items():
             report.rows.append(OutputCheck(binding, name, tuple(value.shape), _rel(value, want_float[name]),
                                            _rel(value, want_ref[name]), noise.get(name)))
@@ -241,11 +271,8 @@ def _run(session, feed: dict, binding: dict) -> dict:
                         "e.g. --shape batch=1,seq=3,past=5,<mask dim>=8") from None
 
 
-def _flip_noise(session, feed: dict, want: dict, rng: np.random.Generator) -> dict:
+def _flip_noise(session, feed: dict, jitter_inputs: list, want: dict, rng: np.random.Generator) -> dict:
     """Output name -> the largest error of the jittered reference (``FLIP_JITTERS``) against ``want``."""
-    from qtvm.reference import JITTER_INPUT
-
-    jitter_inputs = [(i.name, i.shape[0]) for i in session.get_inputs() if i.name.startswith(JITTER_INPUT)]
     names = [o.name for o in session.get_outputs()]
     noise = dict.fromkeys(names, 0.0)
     for size in FLIP_JITTERS:
