@@ -55,6 +55,7 @@ class CheckReport:
     tolerance: float | None  # None until an int8 artefact's flip noise is measured
     reference: str  # what the "own" column compares with
     rows: list[OutputCheck] = field(default_factory=list)
+    rule: str = ""  # how the tolerance was set, when the check measured it
 
     @property
     def ok(self) -> bool:
@@ -258,6 +259,8 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
                                            _rel(value, want_ref[name]), noise.get(name)))
     if report.tolerance is None:  # int8: the bound this model's flip noise sets
         report.tolerance = max(INT8_ACT_FLOOR, FLIP_FACTOR * max(r.flip_noise for r in report.rows))
+        report.rule = (f"max({INT8_ACT_FLOOR:g}, {FLIP_FACTOR:g} x the largest flip noise: the error of the "
+                       f"reference with its rounded inputs jittered by up to 2^{round(np.log2(max(FLIP_JITTERS)))})")
     return report
 
 
@@ -294,8 +297,7 @@ def format_report(report: CheckReport) -> str:
         extra = f" {r.flip_noise:>10.3g}" if noise else ""
         lines.append(f"{dims:<24} {r.name[:20]:<20} {str(list(r.shape)):<18} {r.err_vs_float:>10.3g} "
                      f"{r.err_own:>10.3g}{extra}{flag}")
-    rule = (f" = max({INT8_ACT_FLOOR:g}, {FLIP_FACTOR:g} x the largest flip noise: the error of the reference "
-            f"with its rounded inputs jittered by up to 2^{round(np.log2(max(FLIP_JITTERS)))})") if noise else ""
+    rule = f" = {report.rule}" if report.rule else ""
     lines.append(f"own error: against {report.reference}; tolerance {report.tolerance:.3g}{rule}")
     noise_note = " and the int8 rounding steps float rounding moves" if noise else ""
     lines.append(f"OK: the artefact computes what the model does, to float rounding{noise_note}" if report.ok else

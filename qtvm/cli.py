@@ -256,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with sizes 1, 3, 17")
     k.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="use these inputs instead of random ones")
-    k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; for --act int8 artefacts 3x the flip noise "
-                   "the report measures, at least 1e-3)")
+    k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; for --act int8 artefacts 2x the largest flip "
+                   "noise the report measures, at least 1e-3)")
     k.add_argument("--seed", type=int, default=0)
     k.set_defaults(fn=_cmd_check)
 
