@@ -8,6 +8,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtvm.formats import QuantFormat
+from qtvm.formats.base import add_csr
 
 
 def _weight_inputs(model: onnx.ModelProto):
@@ -149,12 +150,8 @@ class _Rounder:
             pieces.append(piece)
             weights.append(part.dequantize().astype(np.float32))
         if parts.sparse is not None:
-            indptr, indices, values = parts.sparse
-            dense = np.zeros((qt.k, qt.n), np.float32)
-            cols = np.repeat(np.arange(qt.n), np.diff(indptr))
-            np.add.at(dense, (np.asarray(indices, np.int64), cols), np.asarray(values, np.float32))
             pieces.append(x)
-            weights.append(dense)
+            weights.append(add_csr(np.zeros((qt.k, qt.n), np.float32), parts.sparse))
         node.input[0] = self._emit("Concat", pieces, axis=-1)
         return np.concatenate(weights, axis=0)
 

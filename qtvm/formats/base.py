@@ -143,6 +143,15 @@ class KernelParts:
     sparse: tuple | None
 
 
+def add_csr(w: np.ndarray, csr) -> np.ndarray:
+    """``w`` [K, N] += S, S given as ``KernelParts.sparse`` stores it: indptr over the N
+    columns, each entry's row in K, its value. Returns ``w``."""
+    indptr, indices, values = csr
+    cols = np.repeat(np.arange(w.shape[1]), np.diff(indptr))
+    np.add.at(w, (np.asarray(indices, np.int64), cols), np.asarray(values, w.dtype))
+    return w
+
+
 def check_weight(w: np.ndarray, what: str = "weight") -> np.ndarray:
     """Reject what no quantizer can represent, naming the tensor."""
     w = np.asarray(w)

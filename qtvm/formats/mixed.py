@@ -82,7 +82,7 @@ from tvm import te, tirx
 
 from qtvm.errors import QtvmError
 from qtvm.formats import register
-from qtvm.formats.base import KernelParts, QuantFormat, QuantizedTensor, check_weight
+from qtvm.formats.base import KernelParts, QuantFormat, QuantizedTensor, add_csr, check_weight
 from qtvm.formats.gptq import calibration_hessian, damped_inverse_factor
 from qtvm.formats.uniform import VALID_BITS, VALID_GROUPS, UniformFormat
 
@@ -329,10 +329,7 @@ class MixedFormat(QuantFormat):
         idx4, w4, idx2, w2, _ = self.parts_float(qt)
         w = np.zeros((qt.k, qt.n), np.float64)
         w[idx4], w[idx2] = w4, w2
-        indptr, indices, values = self.outliers(qt)
-        cols = np.repeat(np.arange(qt.n), np.diff(indptr))
-        np.add.at(w, (indices.astype(np.int64), cols), values.astype(np.float64))
-        return w.astype(np.float32)
+        return add_csr(w, self.outliers(qt)).astype(np.float32)
 
     # -- the compute contract: no single kernel ------------------------------------
     def padded_k(self, k: int) -> int:
