@@ -55,8 +55,15 @@ GEMM_SHAPES = [(4096, 11008), (11008, 4096)]
 GEMM_FORMATS = ["int4-g128", "int3-g128"]
 GEMM_ROWS = 256
 LAYER_PRESETS = ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128"]
-SWEEP_KNOBS = [(32, 4, 4, 32), (32, 2, 4, 32), (32, 4, 8, 32), (32, 8, 8, 32), (32, 2, 8, 32), (32, 4, 4, 0)]
-TRACE_MODELS = ["tiny_int4_g128_fp32", "tiny_int3_g128_fp32", "tiny_e0m4_g128_fp32"]
+#: (preset, K values in a lane's chunk, lanes, warps, columns per warp): lanes past 32 split K
+#: over several warps of a block (their sums meet in shared memory)
+SWEEP_VARIANTS = [("int4-g128", 32, 32, 4, 4),  # the kernel before (a lane's chunk: one 16-byte load)
+                  ("int4-g128", 8, 128, 1, 4), ("int4-g128", 16, 128, 1, 4), ("int4-g128", 32, 128, 1, 4),
+                  ("int4-g128", 16, 256, 1, 4), ("int4-g128", 16, 64, 2, 4), ("int4-g128", 16, 128, 1, 2),
+                  ("int4-g128", 16, 128, 2, 4), ("e0m4-g128", 8, 128, 1, 4), ("e0m4-g128", 16, 128, 1, 4),
+                  ("int3-g128", 32, 32, 4, 4), ("int3-g128", 32, 64, 2, 4), ("int3-g128", 32, 128, 1, 4),
+                  ("int2-g64", 16, 128, 1, 4), ("int2-g64", 32, 128, 1, 4), ("int8-g32", 8, 128, 1, 4),
+                  ("int8-g32", 16, 128, 1, 4), ("bcq3-g128", 32, 32, 4, 4), ("bcq3-g128", 32, 128, 1, 4)]
 
 
 def _slug(text: str) -> str:
@@ -87,7 +94,7 @@ def _correctness_kernels(target):
     from qtvm import lut_gemv, ops
     from qtvm.formats import get_format
     from qtvm.ops_gemm import qmatmul_gemm_func
-    from schedules import facts, gpu_lut, schedule_kernel
+    from schedules import facts, gpu, gpu_gemv, gpu_lut, schedule_kernel
     from tests.schedules import test_gpu_gemm, test_gpu_gemv, test_gpu_lut
 
     f = facts(target)
@@ -112,6 +119,13 @@ def _correctness_kernels(target):
         if f.f16_activations(fmt, k):
             yield (f"gemv_f16_vx_{_slug(preset)}_{k}x{n}", schedule_kernel(
                 ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3))
+    for preset, k, n in [*test_gpu_gemv.CASES, *VECTOR_CASES]:  # other launch shapes (the sweep's), awkward too
+        fmt = get_format(preset)
+        chunk = gpu.target_chunk(target, fmt, k)
+        for lanes, warps, cols in ((256, 1, 4), (64, 2, 4), (32, 4, 4)):
+            func = ops.qmatmul_func(fmt, k, n, f.col_block, chunk=chunk)
+            yield (f"gemv_l{lanes}_w{warps}_{_slug(preset)}_{k}x{n}", gpu_gemv.schedule_qmatmul_gpu(
+                func, target, lanes=lanes, warps=warps, cols=cols).mod["main"], preset, k, n, (1, 3))
     for preset in ("int3-g128", "e0m4-g128"):  # the bundled model's shapes: K a whole number of groups
         fmt = get_format(preset)
         for k, n in ((256, 64), (704, 256)):
@@ -174,7 +188,7 @@ def _build_kernels(out: Path, target, manifest: dict) -> None:
                 from schedules import gpu
                 from tests.schedules.test_gpu_gemv import emulate_f16_gemv
 
-                arrays[f"{name}/emulated{m}"] = emulate_f16_gemv(x, qt, gpu.lane_chunk(fmt, k))
+                arrays[f"{name}/emulated{m}"] = emulate_f16_gemv(x, qt, gpu.target_chunk(target, fmt, k))
         funcs[name] = func
         manifest["kernels"].append({"name": name, "preset": preset, "k": k, "n": n, "rows": list(rows),
                                     "params": specs, "weights": len(weights)})
@@ -231,30 +245,25 @@ def _layer_module(mod, target):
 
 
 def _build_sweep(out: Path, target, manifest: dict) -> None:
-    """The decode GEMV's launch knobs (warps per block, columns per warp) around the analytic
-    choice, int4-g128 at the timing shapes: which launch shape streams HBM best."""
+    """The decode GEMV's variants around the analytic choice at the timing shapes: launch
+    knobs (lanes splitting K, groups per block, columns per group), the lane chunk (K values
+    a lane reduces per step: 32 for int4 = one 128-bit load of a column, 8 = one word; the
+    lanes' x chunks then contiguous): which streams HBM best."""
     from qtvm import ops
     from qtvm.formats import get_format
-    from schedules import facts, gpu_gemv
+    from schedules import facts, gpu, gpu_gemv
 
     f, funcs = facts(target), {}
-    fmt = get_format("int4-g128")
     for k, n in TIMING_SHAPES:
-        for lanes, warps, cols, x_bytes in SWEEP_KNOBS:
-            name = f"s_l{lanes}_w{warps}_c{cols}_x{x_bytes}_{k}x{n}"
-            func = ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k))
-            funcs[name] = gpu_gemv.schedule_qmatmul_gpu(func, target, lanes=lanes, warps=warps, cols=cols,
-                                                        x_bytes=x_bytes).mod["main"]
-            manifest["sweep"].append(_timed_entry(name, funcs[name], "int4-g128",
-                                                  f"fp32 l{lanes} w{warps} c{cols} x{x_bytes}", k, n))
-        for preset, cols in (("int4-g128", 4), ("int4-g128", 2), ("e0m4-g128", 4)):  # fp16 activations
-            fmt16 = get_format(preset)
-            name = f"s_f16_{_slug(preset)}_c{cols}_{k}x{n}"
-            func = ops.qmatmul_f16_func(fmt16, k, n, 1, **f.gemv_options(fmt16, k))
-            funcs[name] = gpu_gemv.schedule_qmatmul_gpu(func, target, cols=cols).mod["main"]
-            manifest["sweep"].append(_timed_entry(name, funcs[name], preset, f"fp16 c{cols}", k, n))
+        for preset, chunk, lanes, warps, cols in SWEEP_VARIANTS:
+            fmt = get_format(preset)
+            knobs = f"k{chunk} l{lanes} w{warps} c{cols}"
+            name = f"s_{_slug(preset)}_{knobs.replace(' ', '_')}_{k}x{n}"
+            func = ops.qmatmul_func(fmt, k, n, f.col_block, chunk=chunk)
+            funcs[name] = gpu_gemv.schedule_qmatmul_gpu(func, target, lanes=lanes, warps=warps, cols=cols).mod["main"]
+            manifest["sweep"].append(_timed_entry(name, funcs[name], preset, knobs, k, n))
     _export(funcs, target, out / "sweep.so")
-    print("built the GEMV knob sweep", flush=True)
+    print("built the GEMV variant sweep", flush=True)
 
 
 def _build_layers(out: Path, target, manifest: dict) -> None:

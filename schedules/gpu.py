@@ -2,11 +2,11 @@
 
 Layout: one column per stored block (``col_block = 1``), so every stored array is
 ``[N, rows, 1]`` -- each column's packed K run is contiguous. A decode lane then reads
-its K chunk of a column with 128-bit loads and a warp reads 512 contiguous bytes.
+its K chunk of a column with vector loads and a warp reads one contiguous run.
 
 Kernels (see the rule modules):
-  gpu_gemv.py    decode GEMV: split-K over the lanes of a warp (cross-lane reduction,
-                 warp shuffles on CUDA), several columns per warp, 128-bit weight loads
+  gpu_gemv.py    decode GEMV: split-K over the lanes (cross-lane reduction: warp shuffles
+                 on CUDA, shared memory past a warp), several columns per lane group
   gpu_gemm.py    prefill: shared-memory tiles of x and of the dequantized weights
                  (each weight dequantized once per tile), register tiles, fp32 FMA
   gpu_sparse.py  the CSR outliers of mixed-2-4-16
@@ -38,8 +38,11 @@ COL_PAD = 64
 @dataclass(frozen=True)
 class GpuParams:
     """Launch shape of the rules for one target. lanes: threads splitting K in the GEMV
-    (a warp on CUDA); warps: GEMV warps per thread block; cols: columns per warp; x_bytes:
-    width of a lane's loads of its activations in the GEMV (0: value by value)."""
+    (a warp, or several whose sums meet in shared memory); warps: GEMV thread groups of
+    ``lanes`` per block, each on its own columns; cols: columns per group; x_bytes: width of
+    a lane's loads of its activations in the GEMV (0: value by value); chunk_values: the
+    fewest K values in a lane's chunk, whole packed words (0: one 16-byte load a column,
+    ``lane_chunk``)."""
 
     kind: str
     warp: int
@@ -49,6 +52,7 @@ class GpuParams:
     warps: int = 4
     cols: int = 4
     x_bytes: int = 0
+    chunk_values: int = 0
 
 
 def params(target: tvm.target.Target) -> GpuParams:
@@ -63,11 +67,15 @@ def params(target: tvm.target.Target) -> GpuParams:
     warp = int(attrs.get("thread_warp_size", 32))
     threads = int(attrs.get("max_num_threads", 256))
     shared = int(attrs.get("max_shared_memory_per_block", 16384))
-    # CUDA: each lane's 32 activations of a chunk in 32-byte loads. Read where used, a warp's
-    # x loads (lanes 128 B apart) kept L1 busy: on an H100 the int4-g128 GEMV at 8192 x 28672
-    # went from 252 to 74 us (17% -> 58% of HBM read bandwidth; docs/bench_gpu_h100.md).
-    return GpuParams(kind=target.kind.name, warp=warp, max_threads=threads, shared_bytes=shared,
-                     warps=max(1, min(4, threads // 32)), x_bytes=32 if target.kind.name == "cuda" else 0)
+    if target.kind.name != "cuda":
+        return GpuParams(kind=target.kind.name, warp=warp, max_threads=threads, shared_bytes=shared,
+                         warps=max(1, min(4, threads // 32)))
+    # CUDA, measured on an H100 (docs/bench_gpu_h100.md): a lane's chunk of 16 values (int4:
+    # two packed words), so a warp's loads of x are one contiguous run, not 32 lines 128 B
+    # apart; 128 threads split K for 4 columns (sums meet in shared memory), so even N = 4096
+    # launches 1024 blocks. int4-g128 at 11008 x 4096: 32.4 -> 17.3 us; 8192 x 28672: 74.0 -> 59.2.
+    return GpuParams(kind="cuda", warp=warp, max_threads=threads, shared_bytes=shared, lanes=min(128, threads),
+                     warps=1, cols=4, x_bytes=32, chunk_values=16)
 
 
 def applies(func: tvm.tirx.PrimFunc, target: tvm.target.Target, kernel: str) -> bool:
@@ -94,18 +102,24 @@ def stored_bits(desc) -> int:
     return int(desc["bits"])
 
 
-def lane_chunk(fmt, k: int) -> int:
+def lane_chunk(fmt, k: int, min_values: int = 0) -> int:
     """K values one lane reduces before applying the group's coefficients: whole packed
-    runs filling 16 bytes (one 128-bit load: int4 32 values, int2 64, int8 16, bcq2 64),
-    or one run where a run is longer than 12 bytes' worth of splitting allows (3-bit and
-    bcq3: 32 values in 12 bytes, three 32-bit loads), cut to a divisor of the group size.
+    runs filling one 128-bit load (int4 32 values, int2 64, int8 16, bcq2 64), or one run
+    where a run is longer than 12 bytes' worth of splitting allows (3-bit and bcq3: 32
+    values in 12 bytes, three 32-bit loads), cut to a divisor of the group size. ``min_values`` (instead): the fewest whole runs holding that many values
+    (16: int4 two words, int2 one, int8 four, int3 and bcq3 one 32-value run).
     Longer chunks would unroll into long straight-line code for little gain."""
     desc = fmt.describe()
     bits = stored_bits(desc)
     run = int(desc.get("values_per_block", 32 // bits if 32 % bits == 0 else 32))
     run_bytes = run * bits // 8
-    want = run * max(1, LOAD_BYTES // run_bytes)
+    want = run * (-(-min_values // run) if min_values else max(1, LOAD_BYTES // run_bytes))
     return math.gcd(fmt.group_size_for(k), want)
+
+
+def target_chunk(target: tvm.target.Target, fmt, k: int) -> int:
+    """The lane chunk the target's decode GEMVs use (``GpuParams.chunk_values``)."""
+    return lane_chunk(fmt, k, min_values=params(target).chunk_values)
 
 
 def facts(target: tvm.target.Target):
@@ -117,8 +131,9 @@ def facts(target: tvm.target.Target):
     bcq = {} if target.kind.name == "cuda" else {"bcq": "lut_gemv"}
     return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS, row_tile=0,
                        int8_activations=False, activations=("fp32", "fp16"),
-                       gemv_options=lambda fmt, k: {"chunk": lane_chunk(fmt, k)}, col_pad=COL_PAD,
-                       f16_activations=f16_activations, decode_kernel=bcq,
+                       gemv_options=lambda fmt, k: {"chunk": target_chunk(target, fmt, k)}, col_pad=COL_PAD,
+                       f16_activations=lambda fmt, k: f16_activations(fmt, k, target_chunk(target, fmt, k)),
+                       decode_kernel=bcq,
                        parts_options={"second_order": True})
 
 
@@ -128,14 +143,14 @@ def facts(target: tvm.target.Target):
 F16_UNPACKS = ("u2", "u4", "u8", "e0m4")
 
 
-def f16_activations(fmt, k: int) -> bool:
+def f16_activations(fmt, k: int, chunk: int) -> bool:
     """The fp16 GEMV serves a format whose decode has an fp16 unpack intrinsic, with
-    lane chunks of whole packed runs (one intrinsic call per run)."""
+    lane chunks (``chunk`` K values) of whole packed runs (one intrinsic call per run)."""
     from qtvm.intrin.cuda import RUNS
     from qtvm.ops import f16_unpack_kind
 
     kind = f16_unpack_kind(fmt)
-    return kind in F16_UNPACKS and lane_chunk(fmt, k) % RUNS[kind][1] == 0
+    return kind in F16_UNPACKS and chunk % RUNS[kind][1] == 0
 
 
 def rules() -> list:

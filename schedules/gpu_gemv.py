@@ -12,12 +12,16 @@ The compute (``qtvm.ops.qmatmul_func`` with ``chunk``) sums, per chunk c of K,
         X = sum of the chunk's x_k
         acc_rf[cols] += coef * P + offset * X
     then acc[cols] = sum over lanes of acc_rf   (a cross-thread reduction: warp shuffles on
-    CUDA, local memory on OpenCL), and y = acc.
+    CUDA, then shared memory where the lanes span several warps; local memory on OpenCL),
+    and y = acc.
 
 Consecutive lanes read consecutive chunks of one column, so a warp's loads of a column
-are one contiguous run (512 bytes for 16-byte chunks). With one stored column per block
-(``col_block = 1``) a column's words start at a multiple of 16 bytes whenever the
-column's word rows are a multiple of 4; the vector load is used only then.
+are one contiguous run, and so are its loads of x when a lane's chunk is short (CUDA:
+16 values, 64 bytes of x a lane; with 32-value chunks the lanes' x loads were 128 bytes
+apart, 32 cache lines an instruction, and L1 the limit on an H100). With one stored
+column per block (``col_block = 1``) a column's words start at a multiple of 16 (8)
+bytes whenever the column's word rows are a multiple of 4 (2); the vector load is used
+only then.
 """
 from __future__ import annotations
 
@@ -148,7 +152,8 @@ def apply_qmatmul_gpu(sch: s_tir.Schedule, desc, *, lanes: int, warps: int, cols
 
 def _cache_weight_words(sch: s_tir.Schedule, parts, co, desc, words=None) -> None:
     """The chunk's packed words of each column in registers, read with 128-bit loads where
-    every column's run starts 16-byte aligned (word rows and words per chunk multiples of 4)."""
+    every column's run starts 16-byte aligned (word rows and words per chunk multiples of 4),
+    else 64-bit loads where it starts 8-byte aligned (multiples of 2)."""
     name = "bits" if str(desc.get("family")) == "bcq" else "qweight"
     if words is None:
         words = sch.cache_read(parts[0], name, "local", consumer_blocks=parts)
@@ -157,8 +162,10 @@ def _cache_weight_words(sch: s_tir.Schedule, parts, co, desc, words=None) -> Non
     chunk_words = int(desc.get("chunk", desc["group"])) * gpu.stored_bits(desc) // 32
     rows = int(desc["padded_k"]) * gpu.stored_bits(desc) // 32
     inner = loops[-1]
-    if chunk_words % 4 == 0 and rows % 4 == 0 and int(desc.get("chunk", desc["group"])) * gpu.stored_bits(desc) % 32 == 0:
-        _, vec = sch.split(inner, [None, 4])
+    whole_words = int(desc.get("chunk", desc["group"])) * gpu.stored_bits(desc) % 32 == 0
+    width = next((w for w in (4, 2) if chunk_words % w == 0 and rows % w == 0), 1) if whole_words else 1
+    if width > 1:  # 16- or 8-byte loads: every chunk of every column starts at a multiple of them
+        _, vec = sch.split(inner, [None, width])
         sch.vectorize(vec)
     for loop in sch.get_loops(words)[-3:-1] if chunk_words > 4 else []:
         sch.unroll(loop)

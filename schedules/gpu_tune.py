@@ -56,7 +56,8 @@ class GpuKnobSpace:
         if kernel in ("qmatmul", "qmatmul_f16"):
             analytic = {"lanes": p.lanes, "warps": p.warps,
                         "cols": max(1, p.cols // 2) if desc.get("activations") == "fp16" else p.cols}
-            cands = {"lanes": (8, 16, 32), "warps": (2, 4, 8), "cols": (2, 4)}
+            cands = ({"lanes": (32, 64, 128, 256), "warps": (1, 2, 4), "cols": (2, 4)} if p.kind == "cuda"
+                     else {"lanes": (8, 16, 32), "warps": (2, 4, 8), "cols": (2, 4)})
         elif kernel == lut_gemv.KERNEL:
             group, kp = int(desc["group"]), int(desc["padded_k"])
             analytic = {"t_h": group, "cols": gpu_lut.COLS, "threads": gpu_lut.THREADS}

@@ -50,12 +50,18 @@ def test_gemv_cuda_fits_without_spills():
         assert report["gemv_int4_g128_big_kernel"].registers <= 128  # 4 warps a block, several blocks an SM
 
 
-def test_gemv_source_uses_128_bit_weight_loads():
+def test_gemv_source_streams_coalesced_words():
+    """CUDA: a lane's chunk is 16 values (int4: two packed words a column), so a warp's
+    weight loads of a column and its x loads are each one contiguous run; 128 threads split K
+    and their sums meet through warp shuffles, then shared memory (docs/bench_gpu_h100.md:
+    the layout of 32-value chunks, lanes 128 B of x apart, 32 lanes a column, ran 1.2-1.9x slower)."""
     from qtvm.testing.ptxas import cuda_source
 
     source = cuda_source(gemv_func("int4-g128", 4096, 11008), SM80)
-    assert "*(int4*)(qweight_local_ptr" in source  # one 16-byte load per lane per chunk of a column
-    assert "__shfl_down_sync" in source  # the lanes' partial sums meet through warp shuffles
+    assert "__launch_bounds__(128)" in source
+    assert "*(int2*)(qweight_local_ptr" in source  # a lane's two words of a column: one 8-byte load
+    assert "((int64_t)((int)threadIdx.x)) * (int64_t)16)))" in source  # x: 16 floats a lane, lanes adjacent
+    assert "__shfl_down_sync" in source and "__shared__" in source
 
 
 def test_cuda_source_loads_each_lanes_activations_in_32_byte_vectors():
@@ -69,11 +75,15 @@ def test_cuda_source_loads_each_lanes_activations_in_32_byte_vectors():
 
 
 def test_lane_chunks():
-    """Whole packed runs filling 16 bytes (one 12-byte run for 3-bit), cut to divide the group."""
+    """Whole packed runs filling 16 bytes (one 12-byte run for 3-bit), cut to divide the group;
+    on CUDA the fewest whole runs holding 16 values."""
     chunk = lambda preset, k=4096: gpu.lane_chunk(get_format(preset), k)  # noqa: E731
     assert [chunk(p) for p in ("int4-g128", "int2-g64", "int8-g128", "int3-g128", "e0m4-g128", "bcq3-g128",
                                "bcq2-g64", "int2-g16", "int3-g32")] == [32, 64, 16, 32, 32, 32, 64, 16, 32]
     assert chunk("int4-col", 100) == 8  # K padded to 104: one word
+    cuda = lambda preset, k=4096: gpu.target_chunk(SM80, get_format(preset), k)  # noqa: E731
+    assert [cuda(p) for p in ("int4-g128", "int2-g64", "int8-g128", "int3-g128", "e0m4-g128", "bcq3-g128",
+                              "bcq2-g64", "int2-g16", "int3-g32")] == [16, 16, 16, 32, 16, 32, 32, 16, 32]
 
 
 def test_rule_declines_what_it_was_not_shown_right_on():

@@ -31,7 +31,7 @@ def test_analytic_knobs_reproduce_the_rule():
     rule = schedule_kernel(func, SM80).script()
     for loop in ("thread_binding", "T.vectorized"):
         assert tuned.script().count(loop) == rule.count(loop), loop
-    assert rule.count("T.vectorized") >= 2  # the 128-bit weight loads and the 32-byte activation loads
+    assert rule.count("T.vectorized") >= 1  # the 32-byte activation loads (a lane's weights: one word)
 
 
 def test_sampled_decisions_are_read_back_from_the_trace():
@@ -49,7 +49,7 @@ def test_candidates_compile_without_spills():
     """The analytic point and a far corner of each space, as the builder would build them."""
     func, lut = gemv(1024, 256), lut_gemv.lut_gemv_func(get_format("bcq3-g128"), 1024, 256, 1)
     candidates = {}
-    for name, f, corner in (("gemv", func, {"lanes": 8, "warps": 8, "cols": 2}),
+    for name, f, corner in (("gemv", func, {"lanes": 256, "warps": 4, "cols": 2}),
                             ("lut", lut, {"t_h": 256, "cols": 1, "threads": 256})):
         space = gpu_tune.GpuKnobSpace.of(f, SM80)
         for tag, decisions in (("analytic", space.analytic), ("corner", corner)):
