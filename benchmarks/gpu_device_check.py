@@ -19,9 +19,9 @@ the other parts' entries),
     same layer built for the CPU as reference (a wrong kernel vs a whole-graph fault);
   * models: the bundled model as CUDA artefacts for several presets, with the logits of the
     same preset's CPU artefact on several (batch, seq) bindings;
-  * timing, gemm, sweep: the decode GEMVs at LLM shapes, the prefill GEMM at M = 256, and the
-    GEMV's launch knobs around the analytic choice (weights are random bits made on the GPU:
-    timing needs the layout, not the values).
+  * timing, gemm, sweep, rows: the decode GEMVs at LLM shapes, the prefill GEMM at M = 256,
+    the GEMV's launch knobs around the analytic choice, and int4's GEMV and GEMM at M = 1..16
+    (weights are random bits made on the GPU: timing needs the layout, not the values).
 ``run`` loads them with TVM's runtime alone (TVM_USE_RUNTIME_LIB=1), checks every output
 against its reference (outputs poisoned with NaN first), then times with
 ``qtvm.bench.gpu_gemv``'s method (weights rotated past twice the L2, a CUDA graph per round,
@@ -54,6 +54,8 @@ VECTOR_CASES = [("int4-g128", 4096, 70), ("int3-g128", 2048, 37), ("e0m4-g128", 
 GEMM_SHAPES = [(4096, 11008), (11008, 4096)]
 GEMM_FORMATS = ["int4-g128", "int3-g128"]
 GEMM_ROWS = 256
+ROWS_SHAPES = [(4096, 11008), (11008, 4096)]
+ROWS = (1, 2, 3, 4, 8, 16)
 LAYER_PRESETS = ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128"]
 #: (preset, K values in a lane's chunk, lanes, warps, columns per warp): lanes past 32 split K
 #: over several warps of a block (their sums meet in shared memory)
@@ -102,12 +104,12 @@ def _correctness_kernels(target):
         fmt = get_format(preset)
         yield (f"gemv_{_slug(preset)}_{k}x{n}", schedule_kernel(ops.qmatmul_func(fmt, k, n, f.col_block,
                                                                                   **f.gemv_options(fmt, k)), target),
-               preset, k, n, (1, 3))
+               preset, k, n, (1, 3, 16))
     for preset, k, n in test_gpu_gemv.F16_CASES:
         fmt = get_format(preset)
         yield (f"gemv_f16_{_slug(preset)}_{k}x{n}",
                schedule_kernel(ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)), target),
-               preset, k, n, (1, 3))
+               preset, k, n, (1, 3, 16))
     for preset, k, n in test_gpu_gemm.CASES:
         yield (f"gemm_{_slug(preset)}_{k}x{n}",
                schedule_kernel(qmatmul_gemm_func(get_format(preset), k, n, f.col_block), target),
@@ -115,22 +117,22 @@ def _correctness_kernels(target):
     for preset, k, n in VECTOR_CASES:  # K a multiple of the chunk: x read in 32-byte loads
         fmt = get_format(preset)
         yield (f"gemv_vx_{_slug(preset)}_{k}x{n}", schedule_kernel(
-            ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3))
+            ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3, 16))
         if f.f16_activations(fmt, k):
             yield (f"gemv_f16_vx_{_slug(preset)}_{k}x{n}", schedule_kernel(
-                ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3))
+                ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3, 16))
     for preset, k, n in [*test_gpu_gemv.CASES, *VECTOR_CASES]:  # other launch shapes (the sweep's), awkward too
         fmt = get_format(preset)
         chunk = gpu.target_chunk(target, fmt, k)
         for lanes, warps, cols in ((256, 1, 4), (64, 2, 4), (32, 4, 4)):
             func = ops.qmatmul_func(fmt, k, n, f.col_block, chunk=chunk)
             yield (f"gemv_l{lanes}_w{warps}_{_slug(preset)}_{k}x{n}", gpu_gemv.schedule_qmatmul_gpu(
-                func, target, lanes=lanes, warps=warps, cols=cols).mod["main"], preset, k, n, (1, 3))
+                func, target, lanes=lanes, warps=warps, cols=cols).mod["main"], preset, k, n, (1, 3, 16))
     for preset in ("int3-g128", "e0m4-g128"):  # the bundled model's shapes: K a whole number of groups
         fmt = get_format(preset)
         for k, n in ((256, 64), (704, 256)):
             yield (f"gemv_{_slug(preset)}_{k}x{n}", schedule_kernel(
-                ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3))
+                ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3, 16))
             yield (f"gemm_{_slug(preset)}_{k}x{n}",
                    schedule_kernel(qmatmul_gemm_func(fmt, k, n, f.col_block), target), preset, k, n, (5, 48))
     for preset, k, n in test_gpu_lut.CASES:
@@ -150,7 +152,7 @@ def _timing_func(preset: str, act: str, k: int, n: int, target):
     return None if func is None else schedule_kernel(func, target)
 
 
-def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "layers", "models")) -> None:
+def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "rows", "layers", "models")) -> None:
     """Each part writes its files and its manifest entries; an existing manifest keeps the
     entries of the parts not rebuilt."""
     from qtvm.target import parse_target
@@ -158,7 +160,7 @@ def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "la
     target = parse_target(f"cuda -arch={arch}")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "manifest.json"
-    manifest = {"kernels": [], "timing": [], "gemm": [], "sweep": [], "layers": [], "models": [],
+    manifest = {"kernels": [], "timing": [], "gemm": [], "sweep": [], "rows": [], "layers": [], "models": [],
                 **(json.loads(path.read_text()) if path.is_file() else {}),
                 "arch": arch, "l2_bytes": int(target.attrs["l2_cache_size_bytes"])}
     for part in parts:
@@ -226,6 +228,27 @@ def _build_gemm(out: Path, target, manifest: dict) -> None:
             manifest["gemm"].append(_timed_entry(name, funcs[name], preset, "fp32", k, n, m=GEMM_ROWS))
     _export(funcs, target, out / "gemm.so")
     print("built the prefill GEMM kernels", flush=True)
+
+
+def _build_rows(out: Path, target, manifest: dict) -> None:
+    """int4-g128's decode GEMV and prefill GEMM at small M: where one should hand over to the
+    other (``gpu.GEMV_MAX_ROWS``; the decode kernels are checked at M = 16 too)."""
+    from qtvm.formats import get_format
+    from qtvm.ops_gemm import qmatmul_gemm_func
+    from schedules import facts, schedule_kernel
+
+    funcs = {}
+    for k, n in ROWS_SHAPES:
+        gemv, gemm = f"r_gemv_{k}x{n}", f"r_gemm_{k}x{n}"
+        funcs[gemv] = _timing_func("int4-g128", "fp32", k, n, target)
+        funcs[gemm] = schedule_kernel(qmatmul_gemm_func(get_format("int4-g128"), k, _padded_n(n, target),
+                                                        facts(target).col_block), target)
+        for m in ROWS:
+            manifest["rows"].append(_timed_entry(gemv, funcs[gemv], "int4-g128", "fp32 GEMV", k, n, m=m))
+            if m > 1:
+                manifest["rows"].append(_timed_entry(gemm, funcs[gemm], "int4-g128", "fp32 GEMM", k, n, m=m))
+    _export(funcs, target, out / "rows.so")
+    print("built the GEMV/GEMM row sweep", flush=True)
 
 
 def _layer_module(mod, target):
@@ -492,7 +515,7 @@ def _time_kernels(d: Path, manifest: dict, results: dict, rounds: int) -> None:
     results["bandwidth"] = bw
     print(f"HBM read bandwidth {bw['read_GB_s']:.0f} GB/s", flush=True)
     entries = []
-    for part in ("timing", "gemm", "sweep"):
+    for part in ("timing", "gemm", "sweep", "rows"):
         if manifest.get(part):
             lib = tvm.runtime.load_module(str(d / f"{part}.so"))
             entries += [(entry, lib) for entry in manifest[part]]
@@ -639,7 +662,7 @@ def main() -> int:
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
     b.add_argument("--arch", default="sm_90")
-    b.add_argument("--parts", default="kernels,timing,gemm,sweep,layers,models")
+    b.add_argument("--parts", default="kernels,timing,gemm,sweep,rows,layers,models")
     r = sub.add_parser("run")
     r.add_argument("dir", type=Path)
     r.add_argument("out", type=Path)

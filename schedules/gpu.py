@@ -28,8 +28,10 @@ from qtvm import ops
 #: Bytes one decode lane loads per chunk of a column: one 128-bit load (or a multiple).
 LOAD_BYTES = 16
 #: Rows up to which the decode GEMV runs (one thread-block row per activation row, the
-#: weights re-read from L2); above, the prefill GEMM. Not measured: no GPU was available.
-GEMV_MAX_ROWS = 4
+#: weights re-read per row); above, the prefill GEMM. CUDA, measured on an H100 (int4-g128,
+#: docs/bench_gpu_h100.md): the GEMV took 86-175 us at M = 8-16 where the GEMM (no tensor
+#: cores) took 223-400 us at any M up to 16. OpenCL: not measured on a phone GPU.
+GEMV_MAX_ROWS = {"cuda": 16, "opencl": 4}
 #: Stored columns are a multiple of this (zero columns appended by the pass): the GEMM's
 #: column tile, a multiple of the GEMV block's columns, so neither kernel guards columns.
 COL_PAD = 64
@@ -129,7 +131,7 @@ def facts(target: tvm.target.Target):
     # one (bcq3-g128: 16 vs 373 us at 4096 x 4096, 134 vs 739 us at 8192 x 28672;
     # docs/bench_gpu_h100.md), so CUDA dequantizes; OpenCL (unmeasured on a phone) keeps LUT-GEMM.
     bcq = {} if target.kind.name == "cuda" else {"bcq": "lut_gemv"}
-    return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS, row_tile=0,
+    return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS[target.kind.name], row_tile=0,
                        int8_activations=False, activations=("fp32", "fp16"),
                        gemv_options=lambda fmt, k: {"chunk": target_chunk(target, fmt, k)}, col_pad=COL_PAD,
                        f16_activations=lambda fmt, k: f16_activations(fmt, k, target_chunk(target, fmt, k)),

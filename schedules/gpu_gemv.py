@@ -44,9 +44,8 @@ def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     if desc is None:
         return None
     p = gpu.params(target)
-    f16_cols = max(1, p.cols // 2)  # fp16 values take a 32-bit register each: 4 columns spilled on sm_80
-    lanes, warps = lanes or p.lanes, warps or p.warps
-    cols = cols or (f16_cols if str(desc.get("activations", "fp32")) == "fp16" else p.cols)
+    analytic = launch(desc, p)
+    lanes, warps, cols = lanes or analytic["lanes"], warps or analytic["warps"], cols or analytic["cols"]
     sch = s_tir.Schedule(func)
     from qtvm.intrin import cuda
 
@@ -54,6 +53,17 @@ def schedule_qmatmul_gpu(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
                       intrinsics=cuda if target.kind.name == "cuda" else None,
                       x_vector=x_vector(desc, p.x_bytes if x_bytes is None else x_bytes))
     return sch
+
+
+def launch(desc, p: "gpu.GpuParams") -> dict:
+    """The analytic launch shape: ``p``'s, except for fp16 activations: half the columns
+    (fp16 values take a 32-bit register each: 4 columns spilled on sm_80) and the lanes of
+    one warp (32), the block's threads as groups on their own columns: with 128 lanes on K,
+    ptxas (TVM's flags) spilled 4 bytes on sm_80 (int4, int8) and 18 on sm_90 (int2)."""
+    if str(desc.get("activations", "fp32")) != "fp16":
+        return {"lanes": p.lanes, "warps": p.warps, "cols": p.cols}
+    lanes = min(p.lanes, 32)
+    return {"lanes": lanes, "warps": max(p.warps, p.lanes // lanes), "cols": max(1, p.cols // 2)}
 
 
 def x_vector(desc, x_bytes: int) -> int:

@@ -54,8 +54,7 @@ class GpuKnobSpace:
         kernel, desc = str(func.attrs[ops.KERNEL_ATTR]), dict(func.attrs[ops.FORMAT_ATTR])
         p = gpu.params(target)
         if kernel in ("qmatmul", "qmatmul_f16"):
-            analytic = {"lanes": p.lanes, "warps": p.warps,
-                        "cols": max(1, p.cols // 2) if desc.get("activations") == "fp16" else p.cols}
+            analytic = gpu_gemv.launch(desc, p)
             cands = ({"lanes": (32, 64, 128, 256), "warps": (1, 2, 4), "cols": (2, 4)} if p.kind == "cuda"
                      else {"lanes": (8, 16, 32), "warps": (2, 4, 8), "cols": (2, 4)})
         elif kernel == lut_gemv.KERNEL:

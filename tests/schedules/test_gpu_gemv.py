@@ -33,7 +33,7 @@ def gemv(preset: str, k: int, n: int, target=SM80):
 def test_gemv_matches_reference_on_opencl(preset, k, n):
     qt, func = gemv(preset, k, n)
     rng = np.random.default_rng(1)
-    for m in (1, 3):  # one kernel, symbolic M
+    for m in (1, 3, 16):  # one kernel, symbolic M (CUDA runs it up to M = 16)
         x = rng.standard_normal((m, k)).astype(np.float32)
         assert rel_err(run_on_pocl(func, x, blocked(qt), n), x.astype(np.float64) @ qt.dequantize()) < 1e-5
 
@@ -125,6 +125,8 @@ def test_fp16_gemv_cuda_uses_the_unpack_intrinsics():
     pad = lambda n: -(-n // gpu.COL_PAD) * gpu.COL_PAD  # noqa: E731
     funcs = {f"f16_{p.replace('-', '_')}": gemv_f16_func(p, k, pad(n)) for p, k, n in F16_CASES}
     funcs["f16_int4_big"] = gemv_f16_func("int4-g128", 11008, 4096)
+    for preset in ("int4-g128", "int2-g64", "int8-g32"):  # 128 lanes on K spilled here (sm_80, sm_90)
+        funcs[f"f16_{preset.replace('-', '_')}_4096"] = gemv_f16_func(preset, 4096, 11008)
     check_ptxas(funcs)  # sm_80 and sm_90
     source = cuda_source(funcs["f16_int4_big"], SM80)
     assert "qtvm_unpack_u4_f16x8(" in source and "lop3.b32" in source
