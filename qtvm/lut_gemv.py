@@ -193,6 +193,22 @@ def supports_lut16_a8(fmt: QuantFormat, k: int) -> bool:
     return supports_lut16(fmt, k) and fmt.group_size_for(k) <= A8_MAX_GROUP
 
 
+def round_x_per_group(m, xk, kp: int, gs: int):
+    """The int8 rounding of x per weight group (stages "amax" and "xq", the names the x86
+    rules schedule): amax[i, g] = max |x| over group g, xq = round(x * 127 / amax) (int8),
+    so x_hat = xq * amax / 127. ``reference_a8`` is its numpy twin; the BCQ int8 kernels
+    (the int16 tables here, ``qtvm.bcq_a8_gemv``'s bit-plane masks) share it."""
+    ra = te.reduce_axis((0, gs), name="ra")
+    amax = te.compute((m, kp // gs), lambda i, g: te.max(tirx.abs(xk(i, g * gs + ra)), axis=ra), name="amax")
+
+    def quant(i, kk):
+        a = amax[i, kk // gs]
+        inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
+        return tirx.max(tirx.min(tirx.round(xk(i, kk) * inv), 127.0), -127.0).astype("int8")
+
+    return amax, te.compute((m, kp), quant, name="xq")
+
+
 def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
     """The 16-entry LUT GEMV on int8-rounded activations (one scale per weight group, as
     MatMulNBits' accuracy level 4 rounds x per block): per row and group,
@@ -217,15 +233,7 @@ def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pr
     ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // 32, gs // 32
     bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
 
-    ra = te.reduce_axis((0, gs), name="ra")
-    amax = te.compute((m, ngroups), lambda i, g: te.max(tirx.abs(xk(i, g * gs + ra)), axis=ra), name="amax")
-
-    def quant(i, kk):
-        a = amax[i, kk // gs]
-        inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
-        return tirx.max(tirx.min(tirx.round(xk(i, kk) * inv), 127.0), -127.0).astype("int8")
-
-    xq = te.compute((m, kp), quant, name="xq")
+    amax, xq = round_x_per_group(m, xk, kp, gs)
     rj = te.reduce_axis((0, MU16), name="j")
 
     def table(i, b, h, s, p):

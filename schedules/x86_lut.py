@@ -91,16 +91,18 @@ def _tables_at_root(sch: s_tir.Schedule) -> None:
     sch.decompose_reduction(lut, j)
 
 
-def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0) -> s_tir.Schedule:
+def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0,
+             partial: str = lut_gemv.BLOCK_PARTIAL) -> s_tir.Schedule:
     """Parallel over column blocks; per group, block and plane, ``intrin_name`` replaces the
     16-column lookup nest of the partials (kept in registers: stack allocas), walking the
     bit stream in storage order; then alphas and bias fold them into the output accumulator.
     ``halves``: the partials have a (column, half) axis after the column (int16 tables).
-    ``unroll``: pragma_auto_unroll_max_step of each group's lookups (0: loops)."""
+    ``unroll``: pragma_auto_unroll_max_step of each group's lookups (0: loops). ``partial``: the
+    partials' block (the bit-plane kernel, ``schedules.x86_bcq``, names its own)."""
     from qtvm.intrin import x86_lut as intrin
 
     acc_g, _ = tile_columns_then_groups(sch, desc, int(desc["col_block"]), scope="global")
-    part = sch.get_sblock(lut_gemv.BLOCK_PARTIAL)
+    part = sch.get_sblock(partial)
     sch.compute_at(part, acc_g)
     loops = sch.get_loops(part)
     inner = loops[-2:]  # chunk (or chunk pair) and table entry
@@ -167,6 +169,17 @@ def schedule_lut16_a8_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Targe
     return sch
 
 
+def round_x_at_root(sch: s_tir.Schedule) -> None:
+    """x's per-group rounding (``qtvm.lut_gemv.round_x_per_group``: stages "amax", "xq") at
+    the root: group maxima parallel over groups, the int8 values parallel and vectorised."""
+    amax = sch.get_sblock("amax")
+    sch.parallel(sch.get_loops(amax)[1])
+    xq = sch.get_sblock("xq")
+    ko, ki = sch.split(sch.get_loops(xq)[1], [None, 64])
+    sch.parallel(ko)
+    sch.vectorize(ki)
+
+
 # -- tuning hook (schedules/tune_lut.py) ----------------------------------------------------
 #   prefetch_bytes: how far ahead each lookup prefetches its bit stream's line (0: none;
 #                   None: the target's facts); it names the TensorIntrin variant
@@ -183,12 +196,7 @@ def apply_lut16_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, prefetch_
         prefetch_bytes = lut_prefetch_bytes(target, a8)
     words = int(prefetch_bytes) // 4
     if a8:
-        amax = sch.get_sblock("amax")
-        sch.parallel(sch.get_loops(amax)[1])
-        xq = sch.get_sblock("xq")
-        ko, ki = sch.split(sch.get_loops(xq)[1], [None, 64])
-        sch.parallel(ko)
-        sch.vectorize(ki)
+        round_x_at_root(sch)
     _tables_at_root(sch)
     name = intrin.register_a8(words) if a8 else intrin.intrin_name(lut16_isa(target), words)
     _lookups(sch, func.attrs[ops.FORMAT_ATTR], name, halves=a8, unroll=unroll)
