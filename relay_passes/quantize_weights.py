@@ -179,6 +179,10 @@ class _Rewriter(PyExprMutator):
                 from qtvm.lut_gemv import lut_gemv_func
 
                 gemv = self._kernel("lut_gemv", fmt, lambda: lut_gemv_func(fmt, k, n, nb), k, n)
+            elif rounding is not None and self.facts.bcq_a8_gemv(fmt, k):  # x86 BCQ, VBMI + VNNI: int8 nibble tables
+                from qtvm.bcq_a8_gemv import bcq_a8_gemv_func
+
+                gemv = self._kernel("bcq_a8_gemv", fmt, lambda: bcq_a8_gemv_func(fmt, k, n, nb), k, n)
             elif rounding is not None:  # x86 BCQ's decode GEMV: int16 tables of int8-rounded x
                 from qtvm.lut_gemv import lut16_a8_gemv_func
 

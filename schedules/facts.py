@@ -48,6 +48,9 @@ class KernelFacts:
         runs mixed-2-4-16's 2-bit part on its stored second-order scales).
     lut16_gemv(fmt, k): whether a decode matmul runs the 16-entry LUT kernel (x86 BCQ).
     lut16_a8_gemv(fmt, k): whether, with ``--act int8``, it runs the int16-table one instead.
+    bcq_a8_gemv(fmt, k): whether, with ``--act int8``, it runs the bit-plane mask kernel
+        (``qtvm.bcq_a8_gemv``, AVX-512BW + VNNI) instead of the int16 tables; both round x
+        per weight group, so ``int8_rounding`` does not depend on which.
     f16_accumulate: fp16 ``--act`` mode -> the dtype its decode GEMV sums each lane's chunk in
         (CUDA's ``fp16`` sums chunks in fp16; OpenCL's ``fp16`` in fp32, ``fp16-acc16`` in fp16).
     """
@@ -66,6 +69,7 @@ class KernelFacts:
     parts_options: dict = field(default_factory=dict)
     lut16_gemv: Callable = lambda fmt, k: False  # noqa: E731
     lut16_a8_gemv: Callable = lambda fmt, k: False  # noqa: E731
+    bcq_a8_gemv: Callable = lambda fmt, k: False  # noqa: E731
     f16_accumulate: dict = field(default_factory=lambda: {"fp16": "float16"})
 
     def int8_rounding(self, fmt, k: int) -> "ActRounding | None":

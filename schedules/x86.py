@@ -30,21 +30,23 @@ GEMV_MAX_ROWS = 2  # above this, unpacking a tile once beats re-unpacking per ro
 def facts(target: tvm.target.Target):
     from qtvm.intrin.x86 import ROW_TILE
     from schedules.facts import KernelFacts
+    from schedules.x86_bcq import prefer_bcq_a8
     from schedules.x86_lut import prefer_lut16, prefer_lut16_a8
 
     return KernelFacts(family="x86", col_block=col_block(target), gemv_max_rows=GEMV_MAX_ROWS,
                        row_tile=ROW_TILE, int8_activations=bool(dot_isa(target)), activations=("fp32", "int8"),
                        lut16_gemv=lambda fmt, k: prefer_lut16(fmt, k, target),
-                       lut16_a8_gemv=lambda fmt, k: prefer_lut16_a8(fmt, k, target))
+                       lut16_a8_gemv=lambda fmt, k: prefer_lut16_a8(fmt, k, target),
+                       bcq_a8_gemv=lambda fmt, k: prefer_bcq_a8(fmt, k, target))
 
 
 def rules() -> list:
-    from schedules import x86_dense, x86_gemm, x86_lut
+    from schedules import x86_bcq, x86_dense, x86_gemm, x86_lut
 
     return [schedule_qmatmul_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
             schedule_quantize_activations_x86, schedule_sparse_outliers_x86, x86_gemm.schedule_qmatmul_gemm_x86,
             x86_lut.schedule_lut_gemv_x86, x86_dense.schedule_dense_x86, x86_lut.schedule_lut16_gemv_x86,
-            x86_lut.schedule_lut16_a8_gemv_x86]
+            x86_lut.schedule_lut16_a8_gemv_x86, x86_bcq.schedule_bcq_a8_gemv_x86]
 
 
 def tir_pipeline(target: tvm.target.Target) -> str:

@@ -80,10 +80,10 @@ def lut16_isa(target: tvm.target.Target) -> str:
     return ""
 
 
-def _tables_at_root(sch: s_tir.Schedule) -> None:
+def _tables_at_root(sch: s_tir.Schedule, block: str = lut_gemv.BLOCK_LUT) -> None:
     """The LUT stage of a 16-entry kernel: parallel over 32-row blocks, the 16 entries as
     vector lanes, its 4-activation sum unrolled around them."""
-    lut = sch.get_sblock(lut_gemv.BLOCK_LUT)
+    lut = sch.get_sblock(block)
     _, b, *tables, p, j = sch.get_loops(lut)
     sch.reorder(b, *tables, j, p)
     sch.parallel(b)
@@ -92,22 +92,24 @@ def _tables_at_root(sch: s_tir.Schedule) -> None:
 
 
 def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0,
-             partial: str = lut_gemv.BLOCK_PARTIAL) -> s_tir.Schedule:
+             partial: str = lut_gemv.BLOCK_PARTIAL, inner: int = 2) -> s_tir.Schedule:
     """Parallel over column blocks; per group, block and plane, ``intrin_name`` replaces the
     16-column lookup nest of the partials (kept in registers: stack allocas), walking the
     bit stream in storage order; then alphas and bias fold them into the output accumulator.
     ``halves``: the partials have a (column, half) axis after the column (int16 tables).
     ``unroll``: pragma_auto_unroll_max_step of each group's lookups (0: loops). ``partial``: the
-    partials' block (the bit-plane kernel, ``schedules.x86_bcq``, names its own)."""
+    partials' block (the nibble-table kernel, ``schedules.x86_bcq``, names its own); ``inner``:
+    its reduction loops inside one 32-row block (the intrinsic's, after the 16 columns)."""
     from qtvm.intrin import x86_lut as intrin
 
     acc_g, _ = tile_columns_then_groups(sch, desc, int(desc["col_block"]), scope="global")
     part = sch.get_sblock(partial)
     sch.compute_at(part, acc_g)
     loops = sch.get_loops(part)
-    inner = loops[-2:]  # chunk (or chunk pair) and table entry
-    pb = [loops[-3]] if int(desc["group"]) // 32 > 1 else []  # compute_at drops unit block and plane loops
-    outer = loops[: len(loops) - 2 - len(pb)]
+    n_inner = inner
+    inner = loops[-n_inner:]  # e.g. chunk (or chunk pair) and table entry
+    pb = [loops[-n_inner - 1]] if int(desc["group"]) // 32 > 1 else []  # compute_at drops unit block and plane loops
+    outer = loops[: len(loops) - n_inner - len(pb)]
     half = [outer[-1]] if halves else []
     pj = outer[-1 - len(half)]
     plane = [outer[-2 - len(half)]] if int(desc["planes"]) > 1 else []

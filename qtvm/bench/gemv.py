@@ -46,10 +46,14 @@ class QtvmGemv(peer_lib.Peer):
                 return module, module["main"]
 
             kp = fmt.padded_k(self.K)
-            from qtvm import lut_gemv
+            from qtvm import bcq_a8_gemv, lut_gemv
+            from schedules.x86_bcq import prefer_bcq_a8
             from schedules.x86_lut import prefer_lut16, prefer_lut16_a8
 
-            if activations == "int8" and prefer_lut16_a8(fmt, self.K, tgt):  # BCQ: int16 tables
+            if activations == "int8" and prefer_bcq_a8(fmt, self.K, tgt):  # BCQ, VBMI + VNNI: int8 nibble tables
+                kernels, scratch = (build(bcq_a8_gemv.bcq_a8_gemv_func(fmt, self.K, self.N, nb)),), []
+                arrays = ops.blocked_arrays(qt, nb)
+            elif activations == "int8" and prefer_lut16_a8(fmt, self.K, tgt):  # BCQ: int16 tables
                 kernels, scratch = (build(lut_gemv.lut16_a8_gemv_func(fmt, self.K, self.N, nb)),), []
                 arrays = ops.blocked_arrays(qt, nb)
             elif activations == "int8":
