@@ -85,7 +85,7 @@ MARGIN = 0.03  # tuned must beat analytic by 3 % (measurement noise on 2 shared 
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
 MODEL_ATTR = "model"  # target attribute holding the device a record was measured on
 # kernels with a design space (int8: tune_a8; BCQ's LUT GEMVs: tune_lut)
-TUNABLE_KINDS = ("qmatmul", "qmatmul_a8", "qmatmul_a8_gemm", "lut16_gemv", "lut16_a8_gemv")
+TUNABLE_KINDS = ("qmatmul", "qmatmul_a8", "qmatmul_a8_gemm", "lut16_gemv", "lut16_a8_gemv", "bcq_a8_gemv")
 _PROGRESS_PREFIX = "qtvm tune"
 
 
@@ -598,11 +598,12 @@ def open_database(db_dir: Path, *, create: bool):
                       file=sys.stderr, flush=True)
     paths = [db_dir / name for name in DB_FILES]
     if paths[1].is_file():  # the records' traces name TensorIntrin variants: register them first
-        from qtvm.intrin import x86, x86_lut
+        from qtvm.intrin import x86, x86_bcq, x86_lut
 
         text = paths[1].read_text()
         x86.register_variants(text)
         x86_lut.register_variants(text)
+        x86_bcq.register_variants(text)
     return ms.database.JSONDatabase(str(paths[0]), str(paths[1]), allow_missing=create,
                                     module_equality="structural")
 

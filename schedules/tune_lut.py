@@ -1,5 +1,6 @@
 """MetaSchedule design space of the x86 LUT GEMVs (BCQ decode: ``lut16_gemv`` with fp32
-tables, ``lut16_a8_gemv`` with int16 tables under ``--act int8``), with their knobs:
+tables, ``lut16_a8_gemv`` with int16 tables and ``bcq_a8_gemv`` with int8 nibble tables under
+``--act int8``), with their knobs:
 
   prefetch_bytes  how far ahead each lookup prefetches the bit stream (0: none); it names
                   the TensorIntrin variant, so each value is a design space of its own
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir
 
-from qtvm import lut_gemv, ops
+from qtvm import bcq_a8_gemv, lut_gemv, ops
 from schedules.knob_space import DesignSpaces
 
-KINDS = (lut_gemv.KERNEL16, lut_gemv.KERNEL16_A8)
+KINDS = (lut_gemv.KERNEL16, lut_gemv.KERNEL16_A8, bcq_a8_gemv.KERNEL)
+A8_KINDS = (lut_gemv.KERNEL16_A8, bcq_a8_gemv.KERNEL)  # int8 activations: the int16 tables' prefetch facts
 KNOB_NAMES = ("prefetch_bytes", "unroll")
 PREFETCH_BYTES = (0, 2048, 4096, 6144, 8192, 12288)
 UNROLL = (0, 256)
@@ -30,7 +32,8 @@ UNROLL = (0, 256)
 
 def compute_of(kind: str, fmt, desc: dict) -> tvm.tirx.PrimFunc:
     """The unscheduled kernel of ``kind`` for the format description a kernel carries."""
-    make = lut_gemv.lut16_a8_gemv_func if kind == lut_gemv.KERNEL16_A8 else lut_gemv.lut16_gemv_func
+    make = {lut_gemv.KERNEL16_A8: lut_gemv.lut16_a8_gemv_func,
+            bcq_a8_gemv.KERNEL: bcq_a8_gemv.bcq_a8_gemv_func}.get(kind, lut_gemv.lut16_gemv_func)
     return make(fmt, int(desc["k"]), int(desc["n"]), int(desc["col_block"]))
 
 
@@ -49,7 +52,7 @@ class LutKnobSpace(DesignSpaces):
         from schedules.x86_lut import lut_prefetch_bytes
 
         kind = str(func.attrs[ops.KERNEL_ATTR])
-        default = lut_prefetch_bytes(target, a8=kind == lut_gemv.KERNEL16_A8)
+        default = lut_prefetch_bytes(target, a8=kind in A8_KINDS)
         prefetch = tuple(sorted(set(PREFETCH_BYTES) | {default}))
         return LutKnobSpace(kind, target, prefetch, {"prefetch_bytes": default, "unroll": 0})
 
@@ -57,6 +60,7 @@ class LutKnobSpace(DesignSpaces):
         """Schedule ``sch`` (the unscheduled kernel) with a sampled unroll, or ``knobs``' values."""
         from schedules.tune import KNOB_PREFIX
         from schedules.tune_a8 import _probs
+        from schedules.x86_bcq import apply_bcq_a8_x86
         from schedules.x86_lut import apply_lut16_x86
 
         knobs = knobs or {}
@@ -70,7 +74,8 @@ class LutKnobSpace(DesignSpaces):
         out = sch.get_sblock(ops.BLOCK_OUT)
         sch.annotate(out, KNOB_PREFIX + "prefetch_bytes", prefetch)
         sch.annotate(out, KNOB_PREFIX + "unroll", unroll)
-        apply_lut16_x86(sch, self.target, prefetch_bytes=prefetch, unroll=unroll)
+        apply = apply_bcq_a8_x86 if self.kind == bcq_a8_gemv.KERNEL else apply_lut16_x86
+        apply(sch, self.target, prefetch_bytes=prefetch, unroll=unroll)
 
     def design_spaces(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
         """The ScheduleFn: one design space per prefetch distance."""

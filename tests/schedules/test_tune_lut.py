@@ -8,11 +8,12 @@ import pytest
 import tvm
 from tvm import relax
 
-from qtvm import lut_gemv, ops
+from qtvm import bcq_a8_gemv, lut_gemv, ops
 from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
 from schedules import tune, tune_lut
+from schedules.x86_bcq import prefer_bcq_a8
 from schedules.x86_lut import lut16_a8_isa
 from tests.conftest import TUNING_WORKER, matmul_model
 from tests.kernels import NB, rel_err, run_blocked
@@ -40,15 +41,20 @@ def _lut_kernels(mod):
     return [(gv, f) for gv, f in tune.qtvm_kernels(mod) if str(f.attrs[ops.KERNEL_ATTR]) in tune_lut.KINDS]
 
 
+def _isa_target(kind):
+    """A target with the kernel's ISA (compiled only): AVX-512BW, or VBMI + VNNI for the nibble tables."""
+    return parse_target("llvm -mcpu=icelake-server" if kind == bcq_a8_gemv.KERNEL else "llvm -mcpu=skylake-avx512")
+
+
 @pytest.mark.parametrize("kind", tune_lut.KINDS)
 def test_space_has_a_design_space_per_prefetch_distance(kind):
-    target = parse_target("llvm -mcpu=skylake-avx512")  # both kernels' ISA, compiled only
+    target = _isa_target(kind)  # compiled only
     fmt = get_format(PRESET)
     compute = tune_lut.compute_of(kind, fmt, {"k": K, "n": 256, "col_block": NB})
     space = tune.space_of(compute, target)
     assert isinstance(space, tune_lut.LutKnobSpace)
     assert 0 in space.prefetch and space.analytic == {
-        "prefetch_bytes": 4096 if kind == lut_gemv.KERNEL16_A8 else 6144, "unroll": 0}
+        "prefetch_bytes": 4096 if kind in tune_lut.A8_KINDS else 6144, "unroll": 0}
     spaces = space.design_spaces(tvm.s_tir.Schedule(tune.workload_of(compute)["main"]))
     assert len(spaces) == len(space.prefetch)
     assert [tune.kernel_knobs(s.mod["main"])["prefetch_bytes"] for s in spaces] == list(space.prefetch)
@@ -59,10 +65,11 @@ def test_space_has_a_design_space_per_prefetch_distance(kind):
 def test_space_points_compute_the_product(kind, knobs):
     """Every point of the space is the same product (run where this CPU has the ISA: AVX2 for
     the fp32 tables, AVX-512BW for the int16 ones)."""
-    a8 = kind == lut_gemv.KERNEL16_A8
+    a8 = kind in tune_lut.A8_KINDS
     host = parse_target("host")
-    if a8 and not lut16_a8_isa(host):
-        target = parse_target("llvm -mcpu=skylake-avx512")  # compiled, not run
+    runs_here = prefer_bcq_a8(get_format(PRESET), K, host) if kind == bcq_a8_gemv.KERNEL else lut16_a8_isa(host)
+    if a8 and not runs_here:
+        target = _isa_target(kind)  # compiled, not run
     else:
         target = host if a8 else parse_target("llvm -mcpu=haswell")
     fmt = get_format(PRESET)
