@@ -81,8 +81,9 @@ class KernelFacts:
         if self.int8_activations and ops.supports_int8_activations(fmt, k):
             return ActRounding(ops.ACT_BLOCK)
         family = str(fmt.describe().get("family"))
-        if self.decode_kernel.get(family, "qmatmul") != "lut_gemv" and self.lut16_a8_gemv(fmt, k):
-            return ActRounding(fmt.group_size_for(k), max_rows=self.gemv_max_rows)  # BCQ's int16 tables
+        if self.decode_kernel.get(family, "qmatmul") != "lut_gemv" and (self.lut16_a8_gemv(fmt, k)
+                                                                         or self.bcq_a8_gemv(fmt, k)):
+            return ActRounding(fmt.group_size_for(k), max_rows=self.gemv_max_rows)  # BCQ's int16 / int8 tables
         return None
 
     def check_format(self, fmt, target_name: str) -> None:
