@@ -47,8 +47,9 @@ def test_e2e_bad_options(capsys):
 
 
 def test_e2e_bcq_engines_on_request(tmp_path, capsys):
-    """The BCQ builds (LUT-GEMM decode; ``--act int8``: int16 tables where the CPU has
-    AVX-512BW, else fp32 tables with a note) generate and agree with onnxruntime fp32."""
+    """The BCQ builds (LUT-GEMM decode; ``--act int8``: int8 nibble tables where the CPU has
+    AVX-512 VBMI + VNNI, int16 tables where it has AVX-512BW, else fp32 tables with a note)
+    generate and agree with onnxruntime fp32."""
     args = [a if a != "qtvm-int4,ort-fp32,ort-int4" else "qtvm-bcq3,qtvm-bcq3-a8,ort-fp32" for a in TINY]
     out = tmp_path / "e2e.json"
     assert main(["bench", "e2e", *args, "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]) == 0

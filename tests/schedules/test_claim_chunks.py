@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm import s_tir, te, tirx
 
-from qtvm import lut_gemv, ops, ops_dense, ops_gemm
+from qtvm import bcq_a8_gemv, lut_gemv, ops, ops_dense, ops_gemm
 from qtvm.formats import get_format
 from schedules import claim_chunks, compile_kernel, schedule_kernel, tir_pipeline
 from tests.kernels import AVX2, NB, a8_inputs, int8_rounded_reference
@@ -31,9 +31,11 @@ KERNELS = {
     "lut_gemv": lambda: lut_gemv.lut_gemv_func(BCQ3, 256, 200, NB),
     "lut16_gemv": lambda: lut_gemv.lut16_gemv_func(BCQ3, 256, 200, NB),
     "lut16_a8_gemv": lambda: lut_gemv.lut16_a8_gemv_func(BCQ3, 256, 200, NB),
+    "bcq_a8_gemv": lambda: bcq_a8_gemv.bcq_a8_gemv_func(BCQ3, 256, 200, NB),
 }
 AVX512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
-TARGETS = {"lut16_a8_gemv": AVX512}  # vpermw: compiled and lowered here, not run
+# vpermw / vpermb + vpdpbusd: compiled and lowered here, not run
+TARGETS = {"lut16_a8_gemv": AVX512, "bcq_a8_gemv": tvm.target.Target({"kind": "llvm", "mcpu": "icelake-server"})}
 
 
 def _lowered(func: tirx.PrimFunc, pipeline: str, target=AVX2) -> str:
