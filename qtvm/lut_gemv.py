@@ -197,7 +197,7 @@ def round_x_per_group(m, xk, kp: int, gs: int):
     """The int8 rounding of x per weight group (stages "amax" and "xq", the names the x86
     rules schedule): amax[i, g] = max |x| over group g, xq = round(x * 127 / amax) (int8),
     so x_hat = xq * amax / 127. ``reference_a8`` is its numpy twin; the BCQ int8 kernels
-    (the int16 tables here, ``qtvm.bcq_a8_gemv``'s bit-plane masks) share it."""
+    (the int16 tables here, ``qtvm.bcq_a8_gemv``'s nibble tables) share it."""
     ra = te.reduce_axis((0, gs), name="ra")
     amax = te.compute((m, kp // gs), lambda i, g: te.max(tirx.abs(xk(i, g * gs + ra)), axis=ra), name="amax")
 

@@ -48,8 +48,8 @@ class KernelFacts:
         runs mixed-2-4-16's 2-bit part on its stored second-order scales).
     lut16_gemv(fmt, k): whether a decode matmul runs the 16-entry LUT kernel (x86 BCQ).
     lut16_a8_gemv(fmt, k): whether, with ``--act int8``, it runs the int16-table one instead.
-    bcq_a8_gemv(fmt, k): whether, with ``--act int8``, it runs the bit-plane mask kernel
-        (``qtvm.bcq_a8_gemv``, AVX-512BW + VNNI) instead of the int16 tables; both round x
+    bcq_a8_gemv(fmt, k): whether, with ``--act int8``, it runs the int8 nibble-table kernel
+        (``qtvm.bcq_a8_gemv``, AVX-512 VBMI + VNNI) instead of the int16 tables; both round x
         per weight group, so ``int8_rounding`` does not depend on which.
     f16_accumulate: fp16 ``--act`` mode -> the dtype its decode GEMV sums each lane's chunk in
         (CUDA's ``fp16`` sums chunks in fp16; OpenCL's ``fp16`` in fp32, ``fp16-acc16`` in fp16).
