@@ -75,11 +75,16 @@ def parse_shape(text: str) -> dict:
 
 
 def default_bindings(dims: list[str]) -> list[dict]:
-    """Three bindings, dims taking different values in each (so a swapped axis shows)."""
+    """Three bindings, dims taking different values in each (so a swapped axis shows), and
+    every dim 1 where none of them is: rows M = batch x seq = 1 run the decode kernels (the
+    GEMVs every generated token runs; with two dims the three bindings give M = 3, 51, 17,
+    all prefill)."""
     if not dims:
         return [{}]
     n = len(DEFAULT_DIM_VALUES)
-    return [{d: DEFAULT_DIM_VALUES[(i + j) % n] for j, d in enumerate(dims)} for i in range(n)]
+    bindings = [{d: DEFAULT_DIM_VALUES[(i + j) % n] for j, d in enumerate(dims)} for i in range(n)]
+    ones = {d: 1 for d in dims}
+    return bindings if ones in bindings else [ones, *bindings]
 
 
 def _symbolic_dims(inputs: list[dict]) -> list[str]:

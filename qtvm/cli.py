@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("model", help="the ONNX file the artefact was compiled from")
     k.add_argument("artefact")
     k.add_argument("--shape", action="append", default=[], metavar="DIM=N,...",
-                   help="bind the symbolic dims (repeat for several bindings); default: three bindings "
-                        "with sizes 1, 3, 17")
+                   help="bind the symbolic dims (repeat for several bindings); default: every dim 1 "
+                        "(the decode kernels) and three bindings of sizes 1, 3, 17")
     k.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="use these inputs instead of random ones")
     k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; for --act int8 artefacts 2x the largest flip "

@@ -70,8 +70,10 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 def test_default_bindings_differ_per_dim():
-    assert default_bindings(["batch", "seq"]) == [{"batch": 1, "seq": 3}, {"batch": 3, "seq": 17},
-                                                  {"batch": 17, "seq": 1}]
+    """Dims differ in each binding, and one binding has every dim 1 (M = 1: the decode kernels)."""
+    assert default_bindings(["batch", "seq"]) == [{"batch": 1, "seq": 1}, {"batch": 1, "seq": 3},
+                                                  {"batch": 3, "seq": 17}, {"batch": 17, "seq": 1}]
+    assert default_bindings(["seq"]) == [{"seq": 1}, {"seq": 3}, {"seq": 17}]
 
 
 def test_given_inputs(tmp_path, tiny_llama_int4, tiny_llama_path):
@@ -91,8 +93,8 @@ def test_kv_cache_export_dims_follow_from_symbols(hf_model, hf_compiled, exporte
     result = hf_compiled("llama", exporter, "none", kv=True)
     report = check(hf_model("llama", exporter, kv=True), result.path)
     assert report.ok
-    plain = {(("batch", 1), ("past", 17), ("seq", 3)), (("batch", 3), ("past", 1), ("seq", 17)),
-             (("batch", 17), ("past", 3), ("seq", 1))}
+    plain = {(("batch", 1), ("past", 1), ("seq", 1)), (("batch", 1), ("past", 17), ("seq", 3)),
+             (("batch", 3), ("past", 1), ("seq", 17)), (("batch", 17), ("past", 3), ("seq", 1))}
     tied = tied_dims(load(result.path).metadata)
     if exporter == "legacy":
         assert tied == {} and {tuple(sorted(r.binding.items())) for r in report.rows} == plain
