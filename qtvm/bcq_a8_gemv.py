@@ -116,14 +116,11 @@ def bcq_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Prim
 def reference(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
     """The nibble-table algorithm in numpy (int64 sums, float64 fold), for checking it
     against the dequantized reference: y[M, N]."""
+    from qtvm.lut_gemv import round_x_per_group_np
+
     fmt = qt.fmt
     q, kp, gs = int(fmt.describe()["planes"]), fmt.padded_k(qt.k), fmt.group_size_for(qt.k)
-    xp = np.zeros((x.shape[0], kp), np.float32)
-    xp[:, : qt.k] = x
-    groups = xp.reshape(x.shape[0], -1, gs)
-    amax = np.abs(groups).max(-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
-    xq = np.clip(np.round(groups * inv), -127, 127).astype(np.int64).reshape(x.shape[0], kp)
+    xq, amax = round_x_per_group_np(x, kp, gs)
     xl, xh = xq & 15, xq >> 4
     words = qt.arrays["bits"].view(np.uint32).astype(np.int64).reshape(kp // 32, q, qt.n)
     d = np.zeros((x.shape[0], kp // gs, q, qt.n), np.int64)
@@ -137,4 +134,4 @@ def reference(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
     s = xq.reshape(x.shape[0], -1, gs).sum(-1)  # [M, G]
     alpha = qt.arrays["alpha"].astype(np.float64).reshape(kp // gs, q, qt.n)
     y = np.einsum("mgtn,gtn->mgn", d.astype(np.float64), alpha) + s[:, :, None] * qt.arrays["bias"].astype(np.float64)
-    return (y * (amax.reshape(x.shape[0], -1, 1).astype(np.float64) / 127)).sum(1)
+    return (y * (amax[:, :, None].astype(np.float64) / 127)).sum(1)

@@ -196,7 +196,7 @@ def supports_lut16_a8(fmt: QuantFormat, k: int) -> bool:
 def round_x_per_group(m, xk, kp: int, gs: int):
     """The int8 rounding of x per weight group (stages "amax" and "xq", the names the x86
     rules schedule): amax[i, g] = max |x| over group g, xq = round(x * 127 / amax) (int8),
-    so x_hat = xq * amax / 127. ``reference_a8`` is its numpy twin; the BCQ int8 kernels
+    so x_hat = xq * amax / 127. ``round_x_per_group_np`` is its numpy twin; the BCQ int8 kernels
     (the int16 tables here, ``qtvm.bcq_a8_gemv``'s nibble tables) share it."""
     ra = te.reduce_axis((0, gs), name="ra")
     amax = te.compute((m, kp // gs), lambda i, g: te.max(tirx.abs(xk(i, g * gs + ra)), axis=ra), name="amax")
@@ -273,14 +273,22 @@ def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pr
     return func.with_attrs({KERNEL_ATTR: KERNEL16_A8, FORMAT_ATTR: info})
 
 
+def round_x_per_group_np(x: np.ndarray, kp: int, gs: int) -> tuple[np.ndarray, np.ndarray]:
+    """``round_x_per_group`` in numpy: x [M, K] zero-padded to ``kp`` -> (xq [M, kp] int64,
+    amax [M, kp // gs] float32), so x_hat = xq * amax / 127 (fp32 arithmetic, as the kernels)."""
+    xp = np.zeros((x.shape[0], kp), np.float32)
+    xp[:, : x.shape[1]] = x
+    groups = xp.reshape(x.shape[0], -1, gs)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
+    xq = np.clip(np.round(groups * inv), -127, 127).astype(np.int64)
+    return xq.reshape(x.shape[0], kp), amax[..., 0]
+
+
 def reference_a8(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
     """What ``lut16_a8_gemv_func`` computes, in numpy (float64): x rounded to int8 per
     weight group (scale max|x| / 127), times the dequantized weight."""
     kp, gs = qt.fmt.padded_k(qt.k), qt.fmt.group_size_for(qt.k)
-    xp = np.zeros((x.shape[0], kp), np.float32)
-    xp[:, : qt.k] = x
-    groups = xp.reshape(x.shape[0], -1, gs)
-    amax = np.abs(groups).max(-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
-    xq = np.clip(np.round(groups * inv), -127, 127).astype(np.float64) * (amax.astype(np.float64) / 127)
-    return xq.reshape(x.shape[0], kp)[:, : qt.k] @ qt.dequantize().astype(np.float64)
+    xq, amax = round_x_per_group_np(x, kp, gs)
+    x_hat = xq.astype(np.float64) * np.repeat(amax.astype(np.float64) / 127, gs, axis=1)
+    return x_hat[:, : qt.k] @ qt.dequantize().astype(np.float64)

@@ -106,15 +106,14 @@ def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0
     part = sch.get_sblock(partial)
     sch.compute_at(part, acc_g)
     loops = sch.get_loops(part)
-    n_inner = inner
-    inner = loops[-n_inner:]  # e.g. chunk (or chunk pair) and table entry
-    pb = [loops[-n_inner - 1]] if int(desc["group"]) // 32 > 1 else []  # compute_at drops unit block and plane loops
-    outer = loops[: len(loops) - n_inner - len(pb)]
+    inner_loops = loops[-inner:]  # e.g. chunk (or chunk pair) and table entry
+    pb = [loops[-inner - 1]] if int(desc["group"]) // 32 > 1 else []  # compute_at drops unit block and plane loops
+    outer = loops[: len(loops) - inner - len(pb)]
     half = [outer[-1]] if halves else []
     pj = outer[-1 - len(half)]
     plane = [outer[-2 - len(half)]] if int(desc["planes"]) > 1 else []
     jo, ji = sch.split(pj, [None, intrin.COLS])
-    sch.reorder(*pb, *plane, jo, ji, *half, *inner)
+    sch.reorder(*pb, *plane, jo, ji, *half, *inner_loops)
     sch.decompose_reduction(part, (pb + plane + [jo])[0])
     sch.tensorize(ji, intrin_name)
     if not (isinstance(unroll, int) and unroll == 0):
