@@ -123,9 +123,8 @@ def _correctness_kernels(target):
                 ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)), target), preset, k, n, (1, 3, 16))
     for preset, k, n in [*test_gpu_gemv.CASES, *VECTOR_CASES]:  # other launch shapes (the sweep's), awkward too
         fmt = get_format(preset)
-        chunk = gpu.target_chunk(target, fmt, k)
+        func = ops.qmatmul_func(fmt, k, n, f.col_block, chunk=gpu.target_chunk(target, fmt, k))
         for lanes, warps, cols in ((256, 1, 4), (64, 2, 4), (32, 4, 4)):
-            func = ops.qmatmul_func(fmt, k, n, f.col_block, chunk=chunk)
             yield (f"gemv_l{lanes}_w{warps}_{_slug(preset)}_{k}x{n}", gpu_gemv.schedule_qmatmul_gpu(
                 func, target, lanes=lanes, warps=warps, cols=cols).mod["main"], preset, k, n, (1, 3, 16))
     for preset in ("int3-g128", "e0m4-g128"):  # the bundled model's shapes: K a whole number of groups
