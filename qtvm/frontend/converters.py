@@ -334,3 +334,6 @@ def _unrelated(imp, node, named, out) -> ImportFailure:
         f"the symbolic dims of {' and '.join(parts)} cannot be related (neither provably equal nor 1)",
         "if they are equal, give them one name (or an expression such as 'past + seq') in the export's "
         "dynamic axes; otherwise the model is not valid ONNX for these shapes")
+
+
+from qtvm.frontend import attention as _attention  # noqa: E402,F401  (registers Attention, RotaryEmbedding)

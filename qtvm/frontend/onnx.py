@@ -60,7 +60,9 @@ def unsupported_ops(model: onnx.ModelProto) -> list[str]:
     """Every op type TVM's ONNX importer lacks (domain-qualified if not default)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
-    known = set(_get_convert_map()) | {"Constant", "If"}
+    from qtvm.frontend.converters import CONVERTERS
+
+    known = set(_get_convert_map()) | set(CONVERTERS) | {"Constant", "If"}
     missing = set()
     for node in model.graph.node:
         custom_domain = node.domain not in ("", "ai.onnx")

@@ -23,6 +23,9 @@ from qtvm.models.hf_cache import flat_cache_module
 
 FAMILIES = ("llama", "qwen2", "gpt2", "bert")
 EXPORTERS = ("legacy", "dynamo")
+#: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
+#: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
+OPSETS = {"dynamo23": 23}
 VOCAB = 256
 
 
@@ -124,7 +127,7 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
                 if kv:
                     shapes["past"] = tuple({0: b, 2: p} for _ in args[2:])
                 program = torch.onnx.export(wrapper, tuple(args), dynamo=True, input_names=names, output_names=outs,
-                                            dynamic_shapes=shapes, verbose=False)
+                                            dynamic_shapes=shapes, verbose=False, opset_version=OPSETS.get(exporter))
                 program.save(tmp)
         os.replace(tmp, path)
     except BaseException:
