@@ -175,7 +175,7 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(g[finite] - w[finite]).max() / max(np.abs(w[finite]).max(), 1e-30))
 
 
-def _session(model):
+def _ort_session(model):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -185,7 +185,65 @@ def _session(model):
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
         raise QtvmError(f"onnxruntime cannot run the model ({str(e).strip().splitlines()[0][:200]})",
-                        "qtvm check needs a model onnxruntime runs") from None
+                        "qtvm check needs a model onnxruntime or ONNX's reference evaluator runs") from None
+
+
+@dataclass
+class _Value:
+    name: str
+    shape: list
+
+
+class _Session:
+    """onnxruntime on ``model``; where onnxruntime cannot load or run it (ONNX ops newer than its
+    kernels: opset 23's RotaryEmbedding with per-token cos/sin caches fails in onnxruntime 1.32),
+    ONNX's reference evaluator, the spec's own numpy implementation, from then on; ``fallback``
+    holds onnxruntime's reason. If the reference evaluator fails too, onnxruntime's error stands."""
+
+    def __init__(self, model):
+        self.model, self.fallback, self._reference = model, None, None
+        try:
+            self._ort = _ort_session(model)
+        except QtvmError as e:
+            self._ort = None
+            try:
+                self._use_reference(e.problem)
+            except Exception:  # noqa: BLE001 -- the reference evaluator raises anything
+                raise e from None
+
+    def _use_reference(self, reason: str) -> None:
+        from onnx.reference import ReferenceEvaluator
+
+        self._reference = ReferenceEvaluator(self.model)
+        self.fallback = reason
+
+    def get_inputs(self) -> list[_Value]:
+        inits = {t.name for t in self.model.graph.initializer}
+        return [_Value(i.name, [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim])
+                for i in self.model.graph.input if i.name not in inits]
+
+    def get_outputs(self) -> list[_Value]:
+        return [_Value(o.name, []) for o in self.model.graph.output]
+
+    def run(self, names, feed: dict) -> list:
+        if self._reference is None:
+            try:
+                return self._ort.run(names, feed)
+            except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
+                try:
+                    from onnx.reference import ReferenceEvaluator
+
+                    values = ReferenceEvaluator(self.model).run(names, feed)
+                except Exception:  # noqa: BLE001
+                    raise e from None
+                self._use_reference(re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "",
+                                           str(e).strip().splitlines()[0])[:200])
+                return values
+        return self._reference.run(names, feed)
+
+
+def _session(model) -> _Session:
+    return _Session(model)
 
 
 def _dequantized_reference(model, meta: dict):
@@ -266,6 +324,10 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         for name, value in got.items():
             report.rows.append(OutputCheck(binding, name, tuple(value.shape), _rel(value, want_float[name]),
                                            _rel(value, want_ref[name]), noise.get(name)))
+    fallback = float_sess.fallback or ref_sess.fallback
+    if fallback:
+        report.reference = (report.reference.replace("onnxruntime", "ONNX's reference evaluator", 1)
+                            + f" (onnxruntime cannot run this model: {fallback})")
     if report.tolerance is None:  # int8: the bound this model's flip noise sets
         report.tolerance = max(INT8_ACT_FLOOR, FLIP_FACTOR * max(r.flip_noise for r in report.rows))
         report.rule = (f"max({INT8_ACT_FLOOR:g}, {FLIP_FACTOR:g} x the largest flip noise: the error of the "

@@ -227,3 +227,46 @@ def test_int8_with_prequantized_layers_declines(tmp_path, mlp_path):
     assert _cli("compile", model, "--act", "int8", "-o", art).returncode == 0
     report = check(model, art)
     assert report.ok and "not modelled: 1 matmuls came quantized in the model" in report.reference
+
+
+class _FailingOrt:
+    """An onnxruntime session that cannot run the model (as 1.32 fails opset 23's RotaryEmbedding
+    with per-token caches)."""
+
+    def get_inputs(self):
+        raise AssertionError("not asked once the reference evaluator took over")
+
+    def run(self, names, feed):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Foo")
+
+
+def _add_model(dims_a=("n",), dims_b=("n",)):
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "add",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, list(dims_a)),
+                               helper.make_tensor_value_info("b", TensorProto.FLOAT, list(dims_b))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(dims_a))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_reference_evaluator_where_onnxruntime_cannot_run(monkeypatch):
+    """onnxruntime failing on a model ONNX's reference evaluator runs: the session answers with
+    the reference's values from then on and records onnxruntime's reason, without its prefix."""
+    import qtvm.check as qcheck
+
+    monkeypatch.setattr(qcheck, "_ort_session", lambda model: _FailingOrt())
+    sess = qcheck._session(_add_model())
+    a, b = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
+    assert np.array_equal(sess.run(None, {"a": a, "b": b})[0], a + b)
+    assert sess.fallback == "Non-zero status code returned while running Foo"
+    assert [i.name for i in sess.get_inputs()] == ["a", "b"] and [o.name for o in sess.get_outputs()] == ["y"]
+
+
+def test_onnxruntime_error_stands_when_the_reference_fails_too(monkeypatch):
+    """Inputs neither can run (dims bound apart): onnxruntime's one-line refusal, as before."""
+    import qtvm.check as qcheck
+
+    monkeypatch.setattr(qcheck, "_ort_session", lambda model: _FailingOrt())
+    sess = qcheck._session(_add_model(("n",), ("m",)))
+    with pytest.raises(QtvmError, match=r"onnxruntime cannot run the model at n=2,m=3 \(Non-zero status"):
+        qcheck._run(sess, {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)}, {"n": 2, "m": 3})
+    assert sess.fallback is None
