@@ -157,15 +157,16 @@ def attention(imp, node, attrs):
     if heads_q != heads_kv:
         if heads_q % heads_kv:
             raise ImportFailure(f"its {heads_q} query heads are not a multiple of its {heads_kv} key/value heads")
-        k = imp.emit(relax.op.repeat(k, heads_q // heads_kv, axis=1))
-        v = imp.emit(relax.op.repeat(v, heads_q // heads_kv, axis=1))
+        k, v = (_repeat_heads(imp, x, heads_q // heads_kv) for x in (k, v))
 
     scale = attrs.get("scale")
     if scale is None:
         scale = 1.0 / np.sqrt(_static(imp, node, head_size, "head size"))
     root = _const(np.sqrt(np.float64(scale)), dtype)
     qs = imp.emit(relax.op.multiply(q, root))
-    ks = imp.emit(relax.op.permute_dims(imp.emit(relax.op.multiply(k, root)), [0, 1, 3, 2]))
+    # k^T then the scale (the same numbers): the form relay_passes.kv_cache recognises, so the KV
+    # step multiplies by the cache in place rather than copying it
+    ks = imp.emit(relax.op.multiply(imp.emit(relax.op.permute_dims(k, [0, 1, 3, 2])), root))
     scores = imp.emit(relax.op.matmul(qs, ks))  # [batch, heads, q_len, kv_len]
     raw = scores
     softcap = float(attrs.get("softcap", 0.0) or 0.0)
@@ -202,6 +203,15 @@ def attention(imp, node, attrs):
                                 "ONNX's reference gives the capped one)", "ask for mode 1 (after softcap) instead")
         outputs.append({0: raw, 1: scores, 2: biased, 3: probs}[mode])
     return relax.Tuple(outputs[:max(len(node.output), 1)])
+
+
+def _repeat_heads(imp, x: relax.Expr, rep: int) -> relax.Expr:
+    """[b, h, t, d] -> [b, h * rep, t, d], each head rep times in a row (h0, h0, h1, h1, ...), as
+    expand_dims + broadcast_to + reshape: transformers' repeat_kv, which relay_passes.kv_cache
+    reads so that the KV step multiplies by the cache without a copy."""
+    b, h, t, d = _dims(imp, x)
+    wide = imp.emit(relax.op.broadcast_to(imp.emit(relax.op.expand_dims(x, 2)), _shape_expr(imp, [b, h, rep, t, d])))
+    return imp.emit(relax.op.reshape(wide, _shape_expr(imp, [b, h * rep, t, d])))
 
 
 def _broadcast_free_concat(imp, node, past, new, past_name, new_name) -> relax.Expr:

@@ -154,7 +154,7 @@ def test_refusals_name_the_problem(tmp_path):
 
 
 @pytest.mark.parametrize("family,kv", [("llama", True), ("gpt2", False)])
-def test_transformers_opset23_export(hf_dir, tmp_path, family, kv):
+def test_transformers_opset23_export(hf_dir, hf_compiled, tmp_path, family, kv):
     """torch.onnx (dynamo) at opset 23: LLaMA's attention and rotary embedding become Attention and
     RotaryEmbedding (onnxruntime 1.32 refuses its per-token cos/sin caches); GPT-2's attention with a
     bool mask. Compiled once, against the reference evaluator at several lengths, past 0 included."""
@@ -172,3 +172,10 @@ def test_transformers_opset23_export(hf_dir, tmp_path, family, kv):
         for name, want in zip(names, ref.run(None, x)):
             err = np.abs(got[name] - want).max() / np.abs(want).max()
             assert got[name].shape == want.shape and err < 1e-5, (name, batch, seq, past, err)
+    if kv:  # the KV step reads the converted attention as it reads the decomposed one: in place
+        from qtvm import runtime
+
+        assert module.metadata["kv_step"]["fused_attention"] == 4  # 2 layers x (keys, values)
+        decomposed = runtime.load(hf_compiled(family, "dynamo", "none", kv=True).path)
+        ids = np.random.default_rng(0).integers(0, 256, (1, 5)).astype(np.int64)
+        assert np.array_equal(module.generate(ids, 12), decomposed.generate(ids, 12))
