@@ -15,7 +15,7 @@ compiled module serves every batch, sequence and past length.
 from __future__ import annotations
 
 import numpy as np
-from tvm import relax, tirx
+from tvm import relax
 
 from qtvm.frontend.converters import _data_dims, _shape_expr, _unrelated, converter
 from qtvm.frontend.importer import ImportFailure
@@ -146,8 +146,8 @@ def attention(imp, node, attrs):
     past_len = 0
     if past_key is not None:
         past_len = _data_dims(imp, node, 4)[2]
-        k = _broadcast_free_concat(imp, node, imp.expr(past_key), k, past_key, k_name)
-        v = _broadcast_free_concat(imp, node, imp.expr(past_value), v, past_value, v_name)
+        k = _append_cache(imp, node, imp.expr(past_key), k, past_key, k_name)
+        v = _append_cache(imp, node, imp.expr(past_value), v, past_value, v_name)
     present_key, present_value = k, v
 
     batch, heads_q, q_len, head_size = _dims(imp, q)
@@ -214,7 +214,7 @@ def _repeat_heads(imp, x: relax.Expr, rep: int) -> relax.Expr:
     return imp.emit(relax.op.reshape(wide, _shape_expr(imp, [b, h * rep, t, d])))
 
 
-def _broadcast_free_concat(imp, node, past, new, past_name, new_name) -> relax.Expr:
+def _append_cache(imp, node, past, new, past_name, new_name) -> relax.Expr:
     """concat([past, new], axis=2) after checking that batch, heads and size agree."""
     dp, dn = _dims(imp, past), _dims(imp, new)
     if len(dp) != 4 or any(not imp.sym.equal(dp[a], dn[a]) for a in (0, 1, 3)):
