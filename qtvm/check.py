@@ -205,17 +205,13 @@ class _Session:
         try:
             self._ort = _ort_session(model)
         except QtvmError as e:
-            self._ort = None
+            from onnx.reference import ReferenceEvaluator
+
             try:
-                self._use_reference(e.problem)
+                self._reference = ReferenceEvaluator(model)
             except Exception:  # noqa: BLE001 -- the reference evaluator raises anything
                 raise e from None
-
-    def _use_reference(self, reason: str) -> None:
-        from onnx.reference import ReferenceEvaluator
-
-        self._reference = ReferenceEvaluator(self.model)
-        self.fallback = reason
+            self.fallback = e.problem
 
     def get_inputs(self) -> list[_Value]:
         inits = {t.name for t in self.model.graph.initializer}
@@ -226,20 +222,20 @@ class _Session:
         return [_Value(o.name, []) for o in self.model.graph.output]
 
     def run(self, names, feed: dict) -> list:
-        if self._reference is None:
-            try:
-                return self._ort.run(names, feed)
-            except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
-                try:
-                    from onnx.reference import ReferenceEvaluator
+        if self._reference is not None:
+            return self._reference.run(names, feed)
+        try:
+            return self._ort.run(names, feed)
+        except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
+            from onnx.reference import ReferenceEvaluator
 
-                    values = ReferenceEvaluator(self.model).run(names, feed)
-                except Exception:  # noqa: BLE001
-                    raise e from None
-                self._use_reference(re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "",
-                                           str(e).strip().splitlines()[0])[:200])
-                return values
-        return self._reference.run(names, feed)
+            try:
+                reference = ReferenceEvaluator(self.model)
+                values = reference.run(names, feed)
+            except Exception:  # noqa: BLE001 -- the reference evaluator raises anything
+                raise e from None
+            self._reference, self.fallback = reference, _ort_message(e)[:200]
+            return values
 
 
 def _session(model) -> _Session:
@@ -341,10 +337,14 @@ def _run(session, feed: dict, binding: dict) -> dict:
         return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
     except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
         where = ",".join(f"{k}={v}" for k, v in binding.items()) or "the given inputs"
-        message = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", str(e).strip().splitlines()[0])
-        raise QtvmError(f"onnxruntime cannot run the model at {where} ({message[:200]})",
+        raise QtvmError(f"onnxruntime cannot run the model at {where} ({_ort_message(e)[:200]})",
                         "bind dims that must agree (a KV export's mask length is past + seq) with --shape, "
                         "e.g. --shape batch=1,seq=3,past=5,<mask dim>=8") from None
+
+
+def _ort_message(e: Exception) -> str:
+    """onnxruntime's error, its first line without the ``[ONNXRuntimeError] : 1 : FAIL :`` prefix."""
+    return re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", str(e).strip().splitlines()[0])
 
 
 def _flip_noise(session, feed: dict, jitter_inputs: list, want: dict, rng: np.random.Generator) -> dict:

@@ -25,7 +25,6 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 FLOAT_TYPES = ("float16", "bfloat16", "float32", "float64")
 #: softmax_precision (an ONNX element type) -> dtype
 PRECISIONS = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
-OUTPUT_MODES = {0: "raw QK", 1: "after softcap", 2: "with the mask added", 3: "softmax"}
 
 
 def _input(node, i: int) -> str | None:
@@ -196,12 +195,13 @@ def attention(imp, node, attrs):
     outputs = [y, present_key, present_value]
     if _wants(node, 3):
         mode = int(attrs.get("qk_matmul_output_mode", 0))
-        if mode not in OUTPUT_MODES:
+        by_mode = {0: raw, 1: scores, 2: biased, 3: probs}  # raw QK, after softcap, with the mask, softmax
+        if mode not in by_mode:
             raise ImportFailure(f"qk_matmul_output_mode={mode} is not one of 0-3")
         if mode == 0 and softcap > 0:
             raise ImportFailure("the qk_matmul_output of mode 0 with a softcap is ambiguous (the spec says raw QK, "
                                 "ONNX's reference gives the capped one)", "ask for mode 1 (after softcap) instead")
-        outputs.append({0: raw, 1: scores, 2: biased, 3: probs}[mode])
+        outputs.append(by_mode[mode])
     return relax.Tuple(outputs[:max(len(node.output), 1)])
 
 

@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
+from qtvm import dims
 from qtvm.errors import QtvmError
 from qtvm.pipeline import compile_model  # the compiler's TVM first (qtvm.runtime alone loads the runtime library)
 
@@ -40,7 +41,7 @@ def _feeds(model, binding: dict, rng, special=None) -> dict:
     for i in model.graph.input:
         shape = []
         for d in i.type.tensor_type.shape.dim:
-            shape.append(d.dim_value if d.HasField("dim_value") else eval(d.dim_param, {}, dict(binding)))  # noqa: S307
+            shape.append(d.dim_value if d.HasField("dim_value") else int(dims.evaluate(d.dim_param, binding)))
         elem = i.type.tensor_type.elem_type
         if special and i.name in special:
             out[i.name] = special[i.name](shape, rng)
