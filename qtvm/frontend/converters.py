@@ -16,6 +16,9 @@ the input symbols:
   proven equal nor 1 are a user error naming the tensors and the dims, and where
   TVM's inference could not simplify its result the derived shape is re-attached;
 - Pow by a constant 2 or 3: multiplications (exact, no ``pow`` of a negative base).
+
+``CONVERTERS`` is keyed by op type for ONNX's own domain and by ``domain.op`` for others
+(``com.microsoft.GroupQueryAttention``: ``qtvm.frontend.ort_contrib``).
 """
 from __future__ import annotations
 
@@ -65,8 +68,12 @@ def _divide(imp, num: list, den: list):
         num.pop(match)
     num_const = _product(imp, [n for n in num if not is_symbolic(n)])
     den_const = _product(imp, den)
-    if den_const == 0 or num_const % den_const:
+    if den_const == 0:
         return None
+    if num_const % den_const:  # a constant inside a symbolic factor (``seq*4*16 / 64 = seq``)
+        total = _product(imp, num)
+        q = imp.sym.norm(tirx.floordiv(imp.sym.expr(total), imp.sym.expr(den_const)))
+        return q if imp.sym.equal(imp.sym.expr(q) * imp.sym.expr(den_const), total) else None
     return _product(imp, [num_const // den_const] + [n for n in num if is_symbolic(n)])
 
 

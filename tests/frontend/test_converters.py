@@ -97,6 +97,17 @@ def test_reshape_chain_and_minus_one(tmp_path):
     _check(module, session, lambda seq: {"x": np.random.default_rng(seq).standard_normal((2, seq, 8)).astype(np.float32)})
 
 
+def test_reshape_minus_one_through_a_constant_inside_a_symbolic_dim(tmp_path):
+    """[batch, seq, 64] -> [0, -1, 16] -> [0, -1, 64]: the -1 of the second is seq * 4 * 16 / 64
+    = seq, where the 4 sits inside the symbolic dim (onnxruntime-genai's qwen3 per-head norm)."""
+    nodes = [_const("heads", [0, -1, 16]), helper.make_node("Reshape", ["x", "heads"], ["h"]),
+             _const("back", [0, -1, 64]), helper.make_node("Reshape", ["h", "back"], ["y"])]
+    model = _model(nodes, [_x(dims=("batch", "seq", 64))], [_x("y", ("batch", "n", 64))])
+    module, result, session = _compile(tmp_path, model)
+    assert result.metadata["outputs"][0]["shape"] == ["batch", "seq", 64]
+    _check(module, session, lambda seq: {"x": np.random.default_rng(seq).standard_normal((2, seq, 64)).astype(np.float32)})
+
+
 def test_legacy_expand_pattern_and_constant_of_shape(tmp_path):
     """The legacy exporter's Expand: ConstantOfShape(Shape(shape)) of ones, * -1, Equal,
     Where, Expand; and ConstantOfShape of a computed [seq, seq] shape."""
