@@ -113,7 +113,9 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "target": str(target),
         "required_cpu_flags": cpu_flags_required(target),
         **gpu_required(target),
-        "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in summary.inputs],
+        # a dim the import pinned to a constant (a GroupQueryAttention cache's head size) is that constant
+        "inputs": [{"name": n, "dtype": d, "shape": [facts["pinned_dims"].get(x, x) for x in s]}
+                   for n, d, s in summary.inputs],
         # Output dims as the import derived them from the input symbols (the legacy exporter
         # names them MatMullogits_dim_0 and the like).
         "outputs": [{"name": n, "dtype": d, "shape": derived if derived is not None else s}

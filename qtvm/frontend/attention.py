@@ -303,11 +303,22 @@ def rotary_embedding(imp, node, attrs):
             c = imp.emit(relax.op.astype(c, _dtype(x)))
         caches.append(imp.emit(relax.op.expand_dims(c, cache_axis)))
     cos, sin = caches
+    out = rotate(imp, node, x4, cos, sin, rot, bool(attrs.get("interleaved", 0)))
+    if len(dims) == 3:
+        out = imp.emit(relax.op.reshape(out, _shape_expr(imp, dims)))
+    return imp.ensure_shape(out, dims)
+
+
+def rotate(imp, node, x4: relax.Expr, cos: relax.Expr, sin: relax.Expr, rot: int, interleaved: bool) -> relax.Expr:
+    """The rotary embedding of ``x4`` [batch, heads, seq, size] (or [batch, seq, heads, size]):
+    its first ``rot`` features as rot/2 pairs (the two halves, or neighbours if interleaved)
+    rotated by cos/sin (broadcastable to [..., rot/2]); the rest passed through."""
+    size = int(_dims(imp, x4)[3])
+    half = rot // 2
 
     def part(begin, end, stride=1):
         return imp.emit(relax.op.strided_slice(x4, [3], [begin], [end], [stride], assume_inbound=True))
 
-    interleaved = bool(attrs.get("interleaved", 0))
     x1, x2 = (part(0, rot, 2), part(1, rot, 2)) if interleaved else (part(0, half), part(half, rot))
     mul = relax.op.multiply
     real = imp.emit(relax.op.subtract(_broadcast(imp, node, mul, cos, x1), _broadcast(imp, node, mul, sin, x2)))
@@ -317,7 +328,4 @@ def rotary_embedding(imp, node, attrs):
         rotated = imp.emit(relax.op.reshape(pairs, _shape_expr(imp, [*_dims(imp, real)[:3], rot])))
     else:
         rotated = imp.emit(relax.op.concat([real, imag], axis=3))
-    out = rotated if rot == size else imp.emit(relax.op.concat([rotated, part(rot, size)], axis=3))
-    if len(dims) == 3:
-        out = imp.emit(relax.op.reshape(out, _shape_expr(imp, dims)))
-    return imp.ensure_shape(out, dims)
+    return rotated if rot == size else imp.emit(relax.op.concat([rotated, part(rot, size)], axis=3))

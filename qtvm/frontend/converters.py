@@ -344,3 +344,4 @@ def _unrelated(imp, node, named, out) -> ImportFailure:
 
 
 from qtvm.frontend import attention as _attention  # noqa: E402,F401  (registers Attention, RotaryEmbedding)
+from qtvm.frontend import ort_contrib as _ort_contrib  # noqa: E402,F401  (registers onnxruntime-genai's contrib ops)

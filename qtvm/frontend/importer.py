@@ -31,7 +31,19 @@ OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps leaves the function alone
 LIMITS_ATTR = "qtvm.dim_limits"  # {symbol: largest accepted value}, JSON
 OUTPUT_DIMS_ATTR = "qtvm.output_dims"  # [[dim, ...] per output], dims as ints or expression text, JSON
 ZERO_ATTR = "qtvm.may_be_zero"  # symbols that may be bound to 0 (a KV cache's past length), JSON
+PINS_ATTR = "qtvm.pinned_dims"  # {input dim name: the constant a converter proved it is}, JSON
 VALUES_ATTR = "qtvm.values"  # on a shape-values PrimFunc: the expressions it computes, over its scalar params
+
+
+class PinDims(Exception):
+    """Raised by a converter that finds an input dim named as a symbol to be one constant
+    (onnxruntime-genai names a KV cache's head size ``kv_cache_dim``; GroupQueryAttention
+    fixes it): the import restarts with those names read as the constants, so the inputs,
+    the metadata and every binding a caller picks carry the constant."""
+
+    def __init__(self, pins: dict[str, int]):
+        super().__init__(pins)
+        self.pins = pins
 
 
 class ImportFailure(Exception):
@@ -68,10 +80,11 @@ def shape_values_func(exprs: list, symbols: list) -> tirx.PrimFunc:
 class Importer(ONNXGraphImporter):
     """TVM's importer state (``bb``, ``_nodes``, ``_convert_operator``) with qtvm's node loop."""
 
-    def __init__(self, model: onnx.ModelProto, positive: bool = False):
+    def __init__(self, model: onnx.ModelProto, positive: bool = False, pins: dict[str, int] | None = None):
         super().__init__({}, "float32", keep_params_in_input=False, sanitize=False)
         self.model = model
-        self.sym = Symbols(minimum=1 if positive else 0)
+        self.pins = dict(pins or {})
+        self.sym = Symbols(minimum=1 if positive else 0, pins=self.pins)
         self.folder = Folder(self.sym)
         self.known: dict[str, Known] = {}
         self._value_funcs: dict[tuple, tvm.ir.GlobalVar] = {}
@@ -149,7 +162,7 @@ class Importer(ONNXGraphImporter):
         mod = self.bb.get()
         facts = {"num_input": len(params), LIMITS_ATTR: json.dumps(self.sym.limits),
                  OUTPUT_DIMS_ATTR: json.dumps(self._output_dims(graph)),
-                 ZERO_ATTR: json.dumps(self._may_be_zero(graph))}
+                 ZERO_ATTR: json.dumps(self._may_be_zero(graph)), PINS_ATTR: json.dumps(self.pins)}
         mod["main"] = mod["main"].with_attrs(facts)
         return relax.transform.DeadCodeElimination(["main"])(mod)
 
@@ -198,6 +211,8 @@ class Importer(ONNXGraphImporter):
             for axis, d in enumerate(tt.shape.dim):
                 if d.HasField("dim_value"):
                     dims.append(tirx.IntImm("int64", d.dim_value))
+                elif d.dim_param in self.pins:
+                    dims.append(tirx.IntImm("int64", self.pins[d.dim_param]))
                 elif d.dim_param:
                     dim = self.sym.dim(d.dim_param)
                     dims.append(self.sym.expr(dim))
@@ -242,12 +257,12 @@ class Importer(ONNXGraphImporter):
                 return
             if op in ("Shape", "Size"):
                 raise ImportFailure(f"the shape of {self.describe(node.input[0])} is unknown at this point")
-            convert = CONVERTERS.get(op)
+            convert = CONVERTERS.get(op if node.domain in ("", "ai.onnx") else f"{node.domain}.{op}")
             result = convert(self, node, attrs) if convert is not None else None
             if result is None:
                 result = self.tvm_convert(node, attrs)
             self._bind(node, result)
-        except QtvmError:
+        except (QtvmError, PinDims):
             raise
         except ImportFailure as e:
             raise QtvmError(f"cannot import {_where(node)}: {e.problem}", e.fix or _FIX) from None
@@ -335,10 +350,18 @@ def import_model(model: onnx.ModelProto) -> tvm.IRModule:
     >= 1, and the artefact then refuses zero-sized inputs altogether (no ``may_be_zero``)."""
     if any(n.op_type in CONTROL_FLOW for n in model.graph.node):
         return _tvm_import(model)
-    try:
-        return Importer(model).run()
-    except QtvmError:
-        return Importer(model, positive=True).run()
+    pins: dict[str, int] = {}
+    for _ in range(8):  # each restart pins at least one more name
+        try:
+            try:
+                return Importer(model, pins=pins).run()
+            except QtvmError:
+                return Importer(model, positive=True, pins=pins).run()
+        except PinDims as p:
+            if not set(p.pins) - set(pins):
+                raise QtvmError(f"the import pinned {p.pins} twice", _FIX) from None
+            pins.update(p.pins)
+    raise QtvmError(f"the import kept pinning input dims ({pins})", _FIX)
 
 
 def _tvm_import(model: onnx.ModelProto) -> tvm.IRModule:
@@ -362,8 +385,10 @@ def _tvm_import(model: onnx.ModelProto) -> tvm.IRModule:
 
 def import_facts(mod: tvm.IRModule) -> dict:
     """What the import derived, for the artefact's metadata: ``dim_limits`` {symbol: max},
-    ``output_dims`` (per output, derived from the input symbols), ``may_be_zero`` [symbols]."""
+    ``output_dims`` (per output, derived from the input symbols), ``may_be_zero`` [symbols],
+    ``pinned_dims`` {input dim name: constant} (``PinDims``)."""
     attrs = mod["main"].attrs
     return {"dim_limits": json.loads(str(attrs[LIMITS_ATTR])),
             "output_dims": json.loads(str(attrs[OUTPUT_DIMS_ATTR])),
-            "may_be_zero": json.loads(str(attrs[ZERO_ATTR]))}
+            "may_be_zero": json.loads(str(attrs[ZERO_ATTR])),
+            "pinned_dims": json.loads(str(attrs.get(PINS_ATTR, "{}")))}

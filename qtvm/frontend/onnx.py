@@ -1,6 +1,7 @@
 """ONNX file -> Relax IRModule with symbolic dims, with errors a user can act on."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,10 +51,35 @@ def validate(model: onnx.ModelProto, name: str = "model") -> None:
     if problems:
         raise QtvmError("; ".join(problems), "re-export without them, or file an issue naming them")
     try:
-        onnx.checker.check_model(model)
+        with _ort_ops_as_custom(model):
+            onnx.checker.check_model(model)
     except Exception as e:
         first = str(e).strip().splitlines()[0].rstrip(".")
         raise QtvmError(f"{name} fails the ONNX checker: {first}", "re-export the model") from None
+
+
+#: ops onnxruntime registers in ONNX's own domain (onnxruntime-genai's builder writes them there)
+ORT_DEFAULT_DOMAIN_OPS = ("SimplifiedLayerNormalization",)
+
+
+@contextlib.contextmanager
+def _ort_ops_as_custom(model: onnx.ModelProto):
+    """The checker knows only ONNX's ops in the default domain: onnxruntime's ones there are
+    moved to a domain of their own while it runs (in place, undone after; no copy of the weights)."""
+    moved = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS]
+    added = None
+    if moved and not any(o.domain == "qtvm.ort" for o in model.opset_import):
+        added = model.opset_import.add(domain="qtvm.ort", version=1)
+    old = [n.domain for n in moved]
+    for n in moved:
+        n.domain = "qtvm.ort"
+    try:
+        yield
+    finally:
+        for n, d in zip(moved, old):
+            n.domain = d
+        if added is not None:
+            model.opset_import.remove(added)
 
 
 def unsupported_ops(model: onnx.ModelProto) -> list[str]:
@@ -67,6 +93,8 @@ def unsupported_ops(model: onnx.ModelProto) -> list[str]:
     for node in model.graph.node:
         custom_domain = node.domain not in ("", "ai.onnx")
         if (node.domain, node.op_type) in QTVM_READS:
+            continue
+        if f"{node.domain}.{node.op_type}" in CONVERTERS:  # qtvm's own, e.g. com.microsoft.GroupQueryAttention
             continue
         if custom_domain or node.op_type not in known:
             missing.add(f"{node.domain}.{node.op_type}" if custom_domain else node.op_type)

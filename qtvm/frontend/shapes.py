@@ -39,8 +39,9 @@ class Symbols:
     """The graph's dimension symbols (int64 TIR vars, each >= ``minimum``) and the analyzer
     that simplifies and compares expressions over them."""
 
-    def __init__(self, minimum: int = 0):
+    def __init__(self, minimum: int = 0, pins: dict[str, int] | None = None):
         self.minimum = minimum
+        self.pins = dict(pins or {})  # dim names read as constants (``importer.PinDims``)
         self.vars: dict[str, tirx.Var] = {}
         self.limits: dict[str, int] = {}  # symbol -> largest value the model accepts
         self.analyzer = Analyzer()
@@ -61,7 +62,7 @@ class Symbols:
 
     def dim(self, text: str):
         """An ONNX dim_param (a symbol or an expression such as ``past + seq``) as an int64 expression."""
-        value = dimexpr.evaluate(text, {k: v for k, v in self.vars.items()}, self.var)
+        value = dimexpr.evaluate(text, {**self.vars, **self.pins}, self.var)
         return self.norm(value)
 
     def norm(self, x):
