@@ -121,6 +121,25 @@ def tied_dims(meta: dict) -> dict:
     return {total: f"{past} + {seq}"}
 
 
+def _onnxruntime_prompt_rule(model, meta: dict, bindings: list[dict]) -> list[dict]:
+    """onnxruntime's GroupQueryAttention runs a prompt after a past (seq > 1, past > 0) only
+    at batch 1: a default binding asking for more is made a first prompt (past 0)."""
+    kv = meta.get("kv_step")
+    if not kv or not any(n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"
+                         for n in model.graph.node):
+        return bindings
+    shapes = {i["name"]: i["shape"] for i in meta["inputs"]}
+    batch, seq = shapes[kv["ids"]][0], shapes[kv["ids"]][-1]
+    past = shapes[kv["caches"][0]][kv["axis"]]
+    out = []
+    for b in bindings:
+        b = dict(b)
+        if b.get(batch, 1) > 1 and b.get(seq, 1) > 1 and b.get(past, 0) > 0:
+            b[past] = 0
+        out.append(b)
+    return out
+
+
 def _evaluate(dim: str, binding: dict):
     from qtvm import dims as dimexpr
 
@@ -249,7 +268,11 @@ def _dequantized_reference(model, meta: dict):
     fmt_name = meta.get("format", "none")
     int8 = meta.get("activations") == "int8"
     if fmt_name == "none" or "quantized_matmuls" not in meta:
-        return model, "the float model (no weights were quantized)", FP32_TOLERANCE
+        if int8 or not _int8_activation_levels(model):
+            return model, "the float model (no weights were quantized)", FP32_TOLERANCE
+        reference = _copy(model)
+        _float_activations(reference)
+        return reference, "onnxruntime on the model's own quantized weights" + _RELAXED, FP32_TOLERANCE
     from qtvm.formats import PRESETS, get_format
     from qtvm.reference import UnmodelledRounding, dequantized_model
 
@@ -258,7 +281,8 @@ def _dequantized_reference(model, meta: dict):
                         "check an artefact compiled with a preset from `qtvm formats`")
     fmt, what = get_format(fmt_name), f"onnxruntime on the {fmt_name} weights dequantized"
     if not int8:
-        return dequantized_model(model, fmt), what, FP32_TOLERANCE
+        reference = dequantized_model(model, fmt)
+        return reference, what + (_RELAXED if _float_activations(reference) else ""), FP32_TOLERANCE
     from qtvm.target import parse_target
     from schedules import facts
 
@@ -274,6 +298,36 @@ def _dequantized_reference(model, meta: dict):
         return (dequantized_model(model, fmt), what + f" (int8 activations not modelled: {unmodelled}; their "
                 "rounding is in the error)", INT8_UNMODELLED_TOLERANCE)
     return rounded, what + ", matmul inputs rounded to int8 as the kernels round them", None
+
+
+_RELAXED = (" (its MatMulNBits at accuracy_level 0: float activations, as the artefact's; the model asks "
+            "onnxruntime for int8 ones, whose rounding would be in the error)")
+
+
+def _copy(model):
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def _int8_activation_levels(model) -> list:
+    """The ``accuracy_level`` attributes of ``model``'s MatMulNBits that ask onnxruntime for
+    other than float32 activations (4: int8, onnxruntime-genai's CPU default; 0 and 1 are
+    float32)."""
+    return [a for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"
+            for a in n.attribute if a.name == "accuracy_level" and a.i not in (0, 1)]
+
+
+def _float_activations(model) -> int:
+    """``model``'s (a copy's) MatMulNBits set to accuracy_level 0: onnxruntime then multiplies
+    float activations, as an fp32-activation artefact does (int8 ones differ by ~1e-3: not a
+    miscompile). Returns how many were changed."""
+    levels = _int8_activation_levels(model)
+    for a in levels:
+        a.i = 0
+    return len(levels)
 
 
 def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict | None = None,
@@ -305,7 +359,9 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         runs = [({}, feeds)]
     else:
         rng = np.random.default_rng(seed)
-        bindings = [dict(b) for b in (bindings or default_bindings(dims))]
+        if bindings is None:
+            bindings = _onnxruntime_prompt_rule(model, meta, default_bindings(dims))
+        bindings = [dict(b) for b in bindings]
         for b in bindings:
             for name, expr in tied.items():
                 value = _evaluate(expr, b)

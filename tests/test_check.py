@@ -270,3 +270,28 @@ def test_onnxruntime_error_stands_when_the_reference_fails_too(monkeypatch):
     with pytest.raises(QtvmError, match=r"onnxruntime cannot run the model at n=2,m=3 \(Non-zero status"):
         qcheck._run(sess, {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)}, {"n": 2, "m": 3})
     assert sess.fallback is None
+
+
+def test_group_query_attention_prompt_rule():
+    """onnxruntime runs GroupQueryAttention on a prompt after a past only at batch 1: such a
+    default binding runs as a first prompt; token steps and batch-1 prompts stay as they are."""
+    from qtvm.check import _onnxruntime_prompt_rule
+
+    node = helper.make_node("GroupQueryAttention", ["q"], ["y"], domain="com.microsoft")
+    model = helper.make_model(helper.make_graph([node], "g", [], []))
+    meta = {"kv_step": {"ids": "input_ids", "caches": ["past.0"], "axis": 2},
+            "inputs": [{"name": "input_ids", "shape": ["b", "s"]}, {"name": "past.0", "shape": ["b", 2, "p", 16]}]}
+    given = [{"b": 3, "s": 17, "p": 1}, {"b": 17, "s": 1, "p": 3}, {"b": 1, "s": 3, "p": 17}]
+    assert _onnxruntime_prompt_rule(model, meta, given) == [{"b": 3, "s": 17, "p": 0}, *given[1:]]
+    model.graph.node[0].op_type = "Attention"  # another op: no rule
+    assert _onnxruntime_prompt_rule(model, meta, given) == given
+
+
+def test_accuracy_level_4_compared_at_level_0():
+    from qtvm.check import _float_activations
+
+    nodes = [helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", accuracy_level=level)
+             for level in (4, 1, 0)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [], []))
+    assert _float_activations(model) == 1
+    assert [n.attribute[0].i for n in model.graph.node] == [0, 1, 0]
