@@ -112,8 +112,8 @@ def skip_layer_norm(imp, node, attrs):
 
 
 # GroupQueryAttention inputs past the ones read here, and attributes whose non-default values are refused
-_GQA_UNREAD = {11: "head_sink", 12: "k_scale", 13: "v_scale", 14: "q_norm_weight", 15: "k_norm_weight",
-               16: "query_seqlens"}
+_GQA_UNREAD = {9: "position_ids", 10: "attention_bias", 11: "head_sink", 12: "k_scale", 13: "v_scale",
+               14: "q_norm_weight", 15: "k_norm_weight", 16: "query_seqlens"}
 _GQA_DEFAULTS = {"causal": 1, "smooth_softmax": (-1, 0), "qk_output": 0, "sliding_window_cache": 0,
                  "kv_cache_bit_width": (0,), "k_quant_type": ("NONE",), "v_quant_type": ("NONE",)}
 
@@ -209,8 +209,6 @@ def group_query_attention(imp, node, attrs):
         scores = imp.emit(relax.op.multiply(relax.op.tanh(relax.op.divide(scores, cap)), cap))
     bias = _gqa_mask(imp, node, int(attrs.get("local_window_size", -1)), dtype, batch, seq, kv_len, past_len,
                      row_past)
-    if _input(node, 10) is not None:
-        bias = _broadcast(imp, node, relax.op.add, bias, imp.expr(node.input[10]), ("the causal mask", "attention_bias"))
     probs = imp.emit(relax.op.nn.softmax(_broadcast(imp, node, relax.op.add, scores, bias, ("QK^T", "the mask")),
                                          axis=-1))
     y = imp.emit(relax.op.matmul(probs, v))  # [batch, heads, seq, size]
@@ -239,14 +237,11 @@ def _pin_cache_dims(imp, node, kv_heads: int, size: int) -> None:
 
 
 def _gqa_rotary(imp, node, attrs, q, k, row_past, batch, seq, size):
-    """q and k rotated at position ``p_b + s`` (or ``position_ids``), onnxruntime's table lookup."""
+    """q and k rotated at position ``p_b + s``, onnxruntime's table lookup."""
     if _input(node, 7) is None or _input(node, 8) is None:
         raise ImportFailure("do_rotary=1 needs cos_cache and sin_cache")
-    if _input(node, 9) is not None:
-        pos = imp.emit(relax.op.astype(imp.expr(node.input[9]), "int64"))
-    else:
-        s = imp.emit(relax.op.reshape(_positions(imp, 0, seq), _shape_expr(imp, [1, seq])))
-        pos = _broadcast(imp, node, relax.op.add, imp.emit(relax.op.reshape(row_past, _shape_expr(imp, [batch, 1]))), s)
+    s = imp.emit(relax.op.reshape(_positions(imp, 0, seq), _shape_expr(imp, [1, seq])))
+    pos = _broadcast(imp, node, relax.op.add, imp.emit(relax.op.reshape(row_past, _shape_expr(imp, [batch, 1]))), s)
     tables = []
     for i in (7, 8):
         c = _float_input(imp, node, i)

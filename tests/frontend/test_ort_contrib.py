@@ -128,6 +128,11 @@ def test_gqa_refusals_name_what_is_unread(tmp_path):
     model = _gqa_model(rotary=8, smooth_softmax=1, qk_output=1)
     with pytest.raises(QtvmError, match="smooth_softmax=1, qk_output=1"):
         _compile(tmp_path, model)
+    model = _gqa_model(rotary=8)
+    node = model.graph.node[0]
+    node.input.extend(["seqlens_k", "", "", "query"])  # position_ids, attention_bias, head_sink, k_scale
+    with pytest.raises(QtvmError, match="position_ids, k_scale"):
+        _compile(tmp_path, model)
 
 
 def test_gqa_pins_a_named_head_size(tmp_path):
