@@ -168,3 +168,20 @@ def test_prefill_prefetch_comes_from_the_target_facts():
     func = ops.qmatmul_a8_gemm_func(get_format("int4-g128"), 1000, 200, NB, ROW_TILE)
     script = lambda t, **kn: x86.schedule_qmatmul_a8_gemm_x86(func, t, **kn).mod.script()  # noqa: E731
     assert script(zen5) == script(zen5, prefetch=(0, 0)) != script(zen5, prefetch=(4096, 3))
+
+
+def test_zen4_streams_with_a_short_prefetch_into_l2():
+    """Zen 4's measured row: the int8 GEMV prefetches 2 KiB ahead into L2 (prefetcht1) in
+    whole-block passes, its prefill kernel and nothing else changes."""
+    from qtvm.target import parse_target
+    from schedules.x86_lut import lut_prefetch_bytes
+
+    zen4 = parse_target("llvm -mcpu=znver4")
+    assert x86.a8_prefetch(zen4) == (2048, 2) and x86.a8_prefetch(zen4, prefill=True) == (0, 0)
+    assert x86.a8_tile_cols(zen4, 64) == 64
+    assert lut_prefetch_bytes(zen4, a8=True) == 2048
+    func = ops.qmatmul_a8_func(get_format("int4-g128"), 1000, 200, NB)
+    trace = x86.schedule_qmatmul_a8_x86(func, zen4).trace.as_python()
+    tensorized = [line for line in trace if "tensorize" in line]
+    rows = x86.prefetch_rows((2048, 2), NB)[0]
+    assert tensorized and f"_pf{rows}l2" in tensorized[0]
