@@ -214,11 +214,11 @@ _TABLE: dict[str, _CpuSpec] = {
                            "prefetch_source": "AMD EPYC Zen 4 VM (family 25 model 17, 2 vCPUs): DRAM-cold int4-g128 "
                                               "int8 GEMVs, 4096^2 / 4096x11008 / 11008x4096, interleaved A/B in one "
                                               "process: 2 KiB into L2 1.16-1.59x faster than the 6 KiB default at 1 "
-                                              "thread, 1.12-1.19x at 2; 1-3 KiB alike, 4 KiB and more, 16-column "
+                                              "thread, 1.13-1.19x at 2; 1-3 KiB alike, 4 KiB and more, 16-column "
                                               "passes and any prefetch into L1 slower (L1: 0.6-0.8x)",
                            "prefill_prefetch": False,
                            "prefill_prefetch_source": "AMD EPYC Zen 4 VM (2 vCPUs): int8 prefill kernel without "
-                                                      "software prefetch 1.09-1.21x faster at M = 64, 0.97-1.09x at "
+                                                      "software prefetch 1.14-1.21x faster at M = 64, 0.97-1.13x at "
                                                       "M = 16 (1 thread, the three LLaMA shapes, interleaved)",
                            "lut_a8_prefetch_bytes": 2048,
                            "lut_prefetch_source": "AMD EPYC Zen 4 VM (2 vCPUs): bcq3-g128 int8-activation decode, "
