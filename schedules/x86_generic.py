@@ -37,9 +37,9 @@ No parallel loops: a parallel launch costs ~2 us per call, and with 2 threads
 parallel rows/batch slices were measured no faster at 2 x 64 (the packed kernels,
 which are parallel, hold most of the time).
 
-A function no rule fits (cumsum's hand-written scan), one with a block that reads under
-``if_then_else`` (concat, pad: miscompiled inlined on Zen 4/5 targets, ``_has_guarded_load``),
-or whose schedule raises, keeps TVM's default loops. Reshape-pattern functions are left alone: Relax makes them views.
+A block that reads under ``if_then_else`` (concat, pad) gets no producer inlined
+(miscompiled so on Zen 4/5 targets: ``_has_guarded_load``). A function no rule fits
+(cumsum's hand-written scan), or whose schedule raises, keeps TVM's default loops. Reshape-pattern functions are left alone: Relax makes them views.
 """
 from __future__ import annotations
 
@@ -290,8 +290,6 @@ def _apply_rules(sch: s_tir.Schedule, lanes: int) -> bool:
     for b in blocks:
         if "?" in _iter_kinds(sch, b) or len(sch.get_loops(b)) != len(sch.get(b).iter_vars):
             return False  # scans, opaque blocks or already transformed loop nests
-        if _has_guarded_load(sch.get(b)):
-            return False  # concat / pad: see _has_guarded_load
     _inline_producers(sch, root)
     blocks = sch.get_child_blocks(root)
     reductions = [b for b in blocks if "R" in _iter_kinds(sch, b)]
@@ -314,8 +312,8 @@ def _inline_producers(sch, root) -> None:
         if sch.get(block).name_hint in outputs or "R" in _iter_kinds(sch, block):
             continue
         consumers = sch.get_consumers(block)
-        if not consumers:
-            continue
+        if not consumers or any(_has_guarded_load(sch.get(c)) for c in consumers):
+            continue  # nothing to inline into, or a concat / pad (_has_guarded_load)
         if _is_expensive(sch, block) and (len(consumers) > 1
                                           or any(_is_broadcast_into(sch, block, c) for c in consumers)):
             continue
@@ -354,12 +352,12 @@ def _has_scalar_only_call(block) -> bool:
 
 def _has_guarded_load(block) -> bool:
     """Whether ``block`` reads a buffer only under an ``if_then_else`` (concat, pad), whose
-    other branch's index would be out of bounds. Such a function keeps TVM's default loops:
-    inlined and vectorized (or only inlined: LLVM's loop vectorizer if-converts it with masked
-    loads), the 3-D RotaryEmbedding's concat computed wrong values on AMD Zen 4 / Zen 5
-    targets (``-mcpu=znver4``/``znver5``: half the outputs garbage, ONNX's
-    test_rotary_embedding_3d_input) while skylake-avx512, sapphirerapids and znver3 code
-    was right; not shown right for this structure, the rule declines it everywhere."""
+    other branch's index would be out of bounds. No producer is inlined into such a block:
+    with its producers inlined (vectorized by TVM or only by LLVM's loop vectorizer, which
+    if-converts it with masked loads), the 3-D RotaryEmbedding's concat computed garbage in
+    half its outputs for ``-mcpu=znver4``/``znver5`` (ONNX's test_rotary_embedding_3d_input),
+    while skylake-avx512, sapphirerapids and znver3 code was right; with the producers in
+    loops of their own it is right on all of them."""
     found = []
 
     def visit(e):
