@@ -39,7 +39,8 @@ which are parallel, hold most of the time).
 
 A block that reads under ``if_then_else`` (concat, pad) gets no producer inlined
 (miscompiled so on Zen 4/5 targets: ``_has_guarded_load``). A function no rule fits
-(cumsum's hand-written scan), or whose schedule raises, keeps TVM's default loops. Reshape-pattern functions are left alone: Relax makes them views.
+(cumsum's hand-written scan), or whose schedule raises, keeps TVM's default loops.
+Reshape-pattern functions are left alone: Relax makes them views.
 """
 from __future__ import annotations
 
@@ -238,22 +239,27 @@ def _walk(expr, visit) -> None:
                 _walk(sub, visit)
 
 
+def _any(expr, pred) -> bool:
+    """Whether ``pred`` holds for any sub-expression of ``expr``."""
+    found = []
+    _walk(expr, lambda e: found.append(True) if pred(e) else None)
+    return bool(found)
+
+
+def _value_has(block, pred) -> bool:
+    """Whether ``pred`` holds for any sub-expression of the value ``block`` stores."""
+    return isinstance(block.body, tirx.stmt.BufferStore) and _any(block.body.value, pred)
+
+
+def _call_name(e) -> str | None:
+    """The op name of a call to a TIR op (``exp``, ``if_then_else``), else None."""
+    return e.op.name.split(".")[-1] if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op) else None
+
+
 def _is_expensive(sch, block) -> bool:
     """Transcendental calls or float division: worth computing once, not per consumer."""
-    found = []
-
-    def visit(e):
-        if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op):
-            name = e.op.name.split(".")[-1]
-            if name in _EXPENSIVE_CALLS:
-                found.append(name)
-        elif isinstance(e, tirx.Div):  # float division: tens of cycles per vector
-            found.append("div")
-
-    body = sch.get(block).body
-    if isinstance(body, tirx.stmt.BufferStore):
-        _walk(body.value, visit)
-    return bool(found)
+    # float division: tens of cycles per vector
+    return _value_has(sch.get(block), lambda e: _call_name(e) in _EXPENSIVE_CALLS or isinstance(e, tirx.Div))
 
 
 def _write_buffer(sch, block):
@@ -324,9 +330,7 @@ def _inline_producers(sch, root) -> None:
 
 
 def _uses(expr, var) -> bool:
-    found = []
-    _walk(expr, lambda e: found.append(True) if isinstance(e, tirx.Var) and e.same_as(var) else None)
-    return bool(found)
+    return _any(expr, lambda e: isinstance(e, tirx.Var) and e.same_as(var))
 
 
 #: Calls TVM 0.27's LLVM codegen cannot emit on vectors ("unknown intrinsic"): sinh and cosh
@@ -337,17 +341,8 @@ _SCALAR_ONLY_CALLS = {"sinh": None, "cosh": None, "asin": "float16", "acos": "fl
 
 
 def _has_scalar_only_call(block) -> bool:
-    found = []
-
-    def visit(e):
-        if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op):
-            name = e.op.name.split(".")[-1]
-            if name in _SCALAR_ONLY_CALLS and _SCALAR_ONLY_CALLS[name] in (None, str(e.ty)):
-                found.append(name)
-
-    if isinstance(block.body, tirx.stmt.BufferStore):
-        _walk(block.body.value, visit)
-    return bool(found)
+    return _value_has(block, lambda e: _call_name(e) in _SCALAR_ONLY_CALLS
+                      and _SCALAR_ONLY_CALLS[_call_name(e)] in (None, str(e.ty)))
 
 
 def _has_guarded_load(block) -> bool:
@@ -358,16 +353,8 @@ def _has_guarded_load(block) -> bool:
     half its outputs for ``-mcpu=znver4``/``znver5`` (ONNX's test_rotary_embedding_3d_input),
     while skylake-avx512, sapphirerapids and znver3 code was right; with the producers in
     loops of their own it is right on all of them."""
-    found = []
-
-    def visit(e):
-        if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name.split(".")[-1] == "if_then_else":
-            for branch in e.args[1:]:
-                _walk(branch, lambda x: found.append(True) if isinstance(x, _LOAD) else None)
-
-    if isinstance(block.body, tirx.stmt.BufferStore):
-        _walk(block.body.value, visit)
-    return bool(found)
+    return _value_has(block, lambda e: _call_name(e) == "if_then_else"
+                      and any(_any(branch, lambda x: isinstance(x, _LOAD)) for branch in e.args[1:]))
 
 
 def _vectorizable(sch, loop) -> bool:
