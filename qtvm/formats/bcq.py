@@ -154,17 +154,18 @@ class BCQFormat(GroupedAlongK, QuantFormat):
     def te_decode_terms(self, load: ArrayLoader, k):
         """q terms: plane t's bit of row ``k`` as -1.0 / +1.0, built as float bits.
 
-        The bit is shifted into the sign position and XORed with the bits of
-        -1.0: set -> 0x3F800000 (+1.0), clear -> 0xBF800000 (-1.0); three integer
-        ops, no int->float conversion.
+        The bit is shifted down to bit 0, then up into the sign position (clearing the rest),
+        and XORed with the bits of -1.0: set -> 0x3F800000 (+1.0), clear -> 0xBF800000 (-1.0);
+        three integer ops, no int->float conversion. (Shifting left by ``31 - k % 32`` instead
+        is a descending ramp when vectorized, whose uint32 stride TVM cannot build.)
         """
-        to_sign = (WORD_BITS - 1 - k % WORD_BITS).astype("uint32")
-        sign = tirx.const(0x80000000, "uint32")
+        shift = (k % WORD_BITS).astype("uint32")
+        to_sign = tirx.const(WORD_BITS - 1, "uint32")
         minus_one = tirx.const(0xBF800000, "uint32")
         terms = []
         for t in range(self.bits):
             word = load("bits", (k // WORD_BITS) * self.bits + t).astype("uint32")
-            terms.append(tirx.reinterpret("float32", ((word << to_sign) & sign) ^ minus_one))
+            terms.append(tirx.reinterpret("float32", ((word >> shift) << to_sign) ^ minus_one))
         return terms
 
     def te_group_coefs(self, load: ArrayLoader, g):
