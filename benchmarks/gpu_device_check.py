@@ -21,7 +21,10 @@ the other parts' entries),
     same preset's CPU artefact on several (batch, seq) bindings;
   * timing, gemm, sweep, rows: the decode GEMVs at LLM shapes, the prefill GEMM at M = 256,
     the GEMV's launch knobs around the analytic choice, and int4's GEMV and GEMM at M = 1..16
-    (weights are random bits made on the GPU: timing needs the layout, not the values).
+    (weights are random bits made on the GPU: timing needs the layout, not the values);
+  * tc, tc_timing: the ``--act fp16`` prefill GEMM on tensor cores on awkward shapes (against
+    the numpy emulation of its fp16 rounding), and timed at M = 1..2048 beside torch's fp16
+    matmul and the fp16 GEMV at M <= 16.
 ``run`` loads them with TVM's runtime alone (TVM_USE_RUNTIME_LIB=1), checks every output
 against its reference (outputs poisoned with NaN first), then times with
 ``qtvm.bench.gpu_gemv``'s method (weights rotated past twice the L2, a CUDA graph per round,
@@ -47,7 +50,8 @@ TIMING_FORMATS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "f
                   ("e0m4-g128", "fp32"), ("e0m4-g128", "fp16"), ("bcq3-g128", "fp32"), ("bcq3-g128", "fp32-lut"),
                   ("int8-g32", "fp32")]
 MODEL_PRESETS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "fp32"), ("e0m4-g128", "fp32"),
-                 ("bcq3-g128", "fp32"), ("mixed-2-4-16", "fp32"), ("int4-g128-qz", "fp32")]
+                 ("bcq3-g128", "fp32"), ("mixed-2-4-16", "fp32"), ("int4-g128-qz", "fp32"), ("e0m4-g128", "fp16"),
+                 ("int8-g32", "fp16")]
 MODEL_BINDINGS = [(1, 1), (2, 3), (1, 67), (3, 16)]
 VECTOR_CASES = [("int4-g128", 4096, 70), ("int3-g128", 2048, 37), ("e0m4-g128", 4096, 37), ("int8-g32", 4096, 37),
                 ("int2-g64", 4096, 37), ("bcq3-g128", 1024, 37), ("int4-g128-qz", 2048, 37)]
@@ -57,6 +61,14 @@ GEMM_ROWS = 256
 ROWS_SHAPES = [(4096, 11008), (11008, 4096)]
 ROWS = (1, 2, 3, 4, 8, 16)
 LAYER_PRESETS = ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128"]
+#: ``--act fp16`` prefill on tensor cores (``schedules/gpu_gemm_tc.py``): checked at these rows
+#: (awkward shapes from tests/schedules/test_gpu_gemm_tc.py, and int4 at K = 2048), timed
+#: for int4-g128 at each M below (beside torch's fp16 matmul and, at M <= 16, the fp16 GEMV),
+#: the other fp16 formats at M = GEMM_ROWS
+TC_ROWS = (1, 17, 67, 256)
+TC_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672)]
+TC_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
+TC_FORMATS = ["e0m4-g128", "int8-g32", "int2-g64", "int4-g128-qz"]
 #: (preset, K values in a lane's chunk, lanes, warps, columns per warp): lanes past 32 split K
 #: over several warps of a block (their sums meet in shared memory)
 SWEEP_VARIANTS = [("int4-g128", 32, 32, 4, 4),  # the kernel before (a lane's chunk: one 16-byte load)
@@ -151,7 +163,8 @@ def _timing_func(preset: str, act: str, k: int, n: int, target):
     return None if func is None else schedule_kernel(func, target)
 
 
-def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "rows", "layers", "models")) -> None:
+def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "rows", "layers", "models", "tc",
+                                      "tc_timing")) -> None:
     """Each part writes its files and its manifest entries; an existing manifest keeps the
     entries of the parts not rebuilt."""
     from qtvm.target import parse_target
@@ -160,6 +173,7 @@ def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "ro
     out.mkdir(parents=True, exist_ok=True)
     path = out / "manifest.json"
     manifest = {"kernels": [], "timing": [], "gemm": [], "sweep": [], "rows": [], "layers": [], "models": [],
+                "tc": [], "tc_timing": [],
                 **(json.loads(path.read_text()) if path.is_file() else {}),
                 "arch": arch, "l2_bytes": int(target.attrs["l2_cache_size_bytes"])}
     for part in parts:
@@ -168,12 +182,12 @@ def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "ro
         path.write_text(json.dumps(manifest, indent=1))
 
 
-def _build_kernels(out: Path, target, manifest: dict) -> None:
+def _build_kernels(out: Path, target, manifest: dict, part: str = "kernels", kernels=None) -> None:
     from qtvm import ops
     from qtvm.formats import get_format
 
     funcs, arrays = {}, {}
-    for name, func, preset, k, n, rows in _correctness_kernels(target):
+    for name, func, preset, k, n, rows in _correctness_kernels(target) if kernels is None else kernels:
         fmt = get_format(preset)
         qt = fmt.quantize(np.random.default_rng(k + n).standard_normal((k, n)).astype(np.float32))
         specs = _param_specs(func)
@@ -190,12 +204,52 @@ def _build_kernels(out: Path, target, manifest: dict) -> None:
                 from tests.schedules.test_gpu_gemv import emulate_f16_gemv
 
                 arrays[f"{name}/emulated{m}"] = emulate_f16_gemv(x, qt, gpu.target_chunk(target, fmt, k))
+            if name.startswith("gemm_f16"):  # fp16 operands, fp32 sums
+                from tests.schedules.test_gpu_gemm_tc import emulate_f16_gemm
+
+                arrays[f"{name}/emulated{m}"] = emulate_f16_gemm(x, qt)
         funcs[name] = func
-        manifest["kernels"].append({"name": name, "preset": preset, "k": k, "n": n, "rows": list(rows),
-                                    "params": specs, "weights": len(weights)})
+        manifest[part].append({"name": name, "preset": preset, "k": k, "n": n, "rows": list(rows),
+                               "params": specs, "weights": len(weights)})
         print(f"built {name}", flush=True)
-    _export(funcs, target, out / "kernels.so")
-    np.savez_compressed(out / "kernels.npz", **arrays)
+    _export(funcs, target, out / f"{part}.so")
+    np.savez_compressed(out / f"{part}.npz", **arrays)
+
+
+def _build_tc(out: Path, target, manifest: dict) -> None:
+    """The tensor-core prefill GEMM on awkward shapes (N not padded: the rule pads)."""
+    from qtvm.formats import get_format
+    from qtvm.ops_gemm import qmatmul_gemm_f16_func
+    from schedules import schedule_kernel
+    from tests.schedules.test_gpu_gemm_tc import CASES
+
+    kernels = [(f"gemm_f16_{_slug(preset)}_{k}x{n}", schedule_kernel(qmatmul_gemm_f16_func(get_format(preset), k, n, 1),
+                                                                     target), preset, k, n, TC_ROWS)
+               for preset, k, n in [*CASES, ("int4-g128", 2048, 512)]]
+    _build_kernels(out, target, manifest, "tc", kernels)
+
+
+def _build_tc_timing(out: Path, target, manifest: dict) -> None:
+    """int4-g128's tensor-core GEMM at every M of TC_M and its fp16 GEMV at M <= 16 (where one
+    should hand over to the other under ``--act fp16``); the other fp16 formats' GEMM at
+    M = GEMM_ROWS."""
+    from qtvm.formats import get_format
+    from qtvm.ops_gemm import qmatmul_gemm_f16_func
+    from schedules import schedule_kernel
+
+    funcs = {}
+    for k, n in TC_SHAPES:
+        for preset in ["int4-g128", *TC_FORMATS]:
+            name = f"tc_{_slug(preset)}_{k}x{n}"
+            funcs[name] = schedule_kernel(qmatmul_gemm_f16_func(get_format(preset), k, _padded_n(n, target), 1), target)
+            for m in TC_M if preset == "int4-g128" else (GEMM_ROWS,):
+                manifest["tc_timing"].append(_timed_entry(name, funcs[name], preset, "fp16 TC GEMM", k, n, m=m))
+        gemv = f"tcv_int4_g128_{k}x{n}"
+        funcs[gemv] = _timing_func("int4-g128", "fp16", k, n, target)
+        for m in (m for m in TC_M if m <= 16):
+            manifest["tc_timing"].append(_timed_entry(gemv, funcs[gemv], "int4-g128", "fp16 GEMV", k, n, m=m))
+    _export(funcs, target, out / "tc_timing.so")
+    print("built the tensor-core GEMM timing kernels", flush=True)
 
 
 def _build_timing(out: Path, target, manifest: dict) -> None:
@@ -378,13 +432,13 @@ def _rel(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def _check_kernels(d: Path, manifest: dict, results: dict) -> None:
+def _check_kernels(d: Path, manifest: dict, results: dict, part: str = "kernels") -> None:
     import tvm
 
     dev = tvm.cuda(0)
-    lib = tvm.runtime.load_module(str(d / "kernels.so"))
-    arrays = np.load(d / "kernels.npz")
-    for entry in manifest["kernels"]:
+    lib = tvm.runtime.load_module(str(d / f"{part}.so"))
+    arrays = np.load(d / f"{part}.npz")
+    for entry in manifest[part]:
         name = entry["name"]
         f = lib[name]
         weights = [tvm.runtime.tensor(arrays[f"{name}/w{i}"], device=dev) for i in range(entry["weights"])]
@@ -407,6 +461,10 @@ def _check_kernels(d: Path, manifest: dict, results: dict) -> None:
                 row["vs_emulated"] = None if emulated is None else _rel(y.numpy(), emulated)
                 row["ok"] = err < 1e-2 and (emulated is None or row["vs_emulated"] < 1e-4)
             results["kernels"].append(row)
+
+
+def _check_tc(d: Path, manifest: dict, results: dict) -> None:
+    _check_kernels(d, manifest, results, "tc")
 
 
 def _check_layers(d: Path, manifest: dict, results: dict) -> None:
@@ -514,7 +572,7 @@ def _time_kernels(d: Path, manifest: dict, results: dict, rounds: int) -> None:
     results["bandwidth"] = bw
     print(f"HBM read bandwidth {bw['read_GB_s']:.0f} GB/s", flush=True)
     entries = []
-    for part in ("timing", "gemm", "sweep", "rows"):
+    for part in ("timing", "gemm", "sweep", "rows", "tc_timing"):
         if manifest.get(part):
             lib = tvm.runtime.load_module(str(d / f"{part}.so"))
             entries += [(entry, lib) for entry in manifest[part]]
@@ -547,6 +605,14 @@ def _time_kernels(d: Path, manifest: dict, results: dict, rounds: int) -> None:
         sets = [w16.clone() for _ in range(rotation_copies(w16.numel() * 2, l2))]
         seconds = graph_time(lambda w: x16 @ w, sets, rounds)
         results["timing"].append(_row(k, n, "torch fp16 matmul", seconds, w16.numel() * 2, bw, GEMM_ROWS))
+        del sets, w16
+    for k, n in sorted({(e["k"], e["n"]) for e in manifest.get("tc_timing", [])}):
+        w16 = torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02
+        sets = [w16.clone() for _ in range(rotation_copies(w16.numel() * 2, l2))]
+        for m in TC_M:
+            x16 = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            seconds = graph_time(lambda w: x16 @ w, sets, rounds)
+            results["timing"].append(_row(k, n, "torch fp16 matmul", seconds, w16.numel() * 2, bw, m))
         del sets, w16
 
 
@@ -602,7 +668,7 @@ def run(d: Path, out: Path, rounds: int, only=()) -> int:
     def _tracing(*args):
         _trace_models(*args, out)
 
-    steps = [_check_kernels, _check_layers, _check_models, _timing, _tracing]
+    steps = [_check_kernels, _check_tc, _check_layers, _check_models, _timing, _tracing]
     for step in [s for s in steps if s.__name__ in only] if only else steps:
         try:
             step(d, manifest, results)
@@ -661,7 +727,7 @@ def main() -> int:
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
     b.add_argument("--arch", default="sm_90")
-    b.add_argument("--parts", default="kernels,timing,gemm,sweep,rows,layers,models")
+    b.add_argument("--parts", default="kernels,timing,gemm,sweep,rows,layers,models,tc,tc_timing")
     r = sub.add_parser("run")
     r.add_argument("dir", type=Path)
     r.add_argument("out", type=Path)

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation precision inside quantized matmuls: fp32 (exact), int8 (rounded per 32 "
                         "values, ~2-4x faster kernels on AVX2/AVX-512 VNNI; BCQ formats: the decode GEMV, "
                         "rounded per weight group, on AVX-512BW; `qtvm demo` reports its error), or "
-                        "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk; "
+                        "fp16 (GPU targets: decode GEMV on fp16 activations with fp16 sums per lane chunk, "
+                        "CUDA prefill on tensor cores with fp16 operands and fp32 sums; "
                         "OpenCL: fp32 sums, and fp16-acc16 for fp16 sums per lane chunk)")
     c.add_argument("--max-length", type=int, metavar="N",
                    help="past_key_values exports: tokens the generation cache holds (default: the model's "

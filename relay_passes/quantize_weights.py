@@ -123,7 +123,8 @@ class _Rewriter(PyExprMutator):
         return rounding
 
     def _f16_activations(self, fmt: QuantFormat, k: int) -> bool:
-        """fp16 activations (the decode GEMV; prefill keeps the exact fp32 GEMM)."""
+        """fp16 activations for this matmul: its decode GEMV, and its prefill GEMM where the
+        target has the fp16-operand one (``facts.f16_gemm``); else both stay fp32 (reported)."""
         if self.activations not in self.facts.f16_accumulate:
             return False
         if not self.facts.f16_activations(fmt, k):
@@ -166,12 +167,13 @@ class _Rewriter(PyExprMutator):
             small = self._a8_branch(qt, weights, nb, 1)
             large = self._a8_branch(qt, weights, nb, self.facts.row_tile)
         else:
-            from qtvm.ops_gemm import qmatmul_gemm_func
+            from qtvm.ops_gemm import qmatmul_gemm_f16_func, qmatmul_gemm_func
 
             fmt, k, n = qt.fmt, qt.k, qt.n
             weights = [relax.const(a) for a in ops.blocked_arrays(qt, nb)]
             decode = self.facts.decode_kernel.get(str(fmt.describe().get("family")), "qmatmul")
-            if self._f16_activations(fmt, k):
+            f16 = self._f16_activations(fmt, k)
+            if f16:
                 accumulate = self.facts.f16_accumulate[self.activations]
                 gemv = self._kernel("qmatmul_f16", fmt, lambda: ops.qmatmul_f16_func(
                     fmt, k, n, nb, **self.facts.gemv_options(fmt, k), accumulate=accumulate), k, n)
@@ -194,7 +196,10 @@ class _Rewriter(PyExprMutator):
             else:
                 options = self.facts.gemv_options(fmt, k)
                 gemv = self._kernel("qmatmul", fmt, lambda: ops.qmatmul_func(fmt, k, n, nb, **options), k, n)
-            gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
+            if f16 and self.facts.f16_gemm:  # tensor cores
+                gemm = self._kernel("qmatmul_gemm_f16", fmt, lambda: qmatmul_gemm_f16_func(fmt, k, n, nb), k, n)
+            else:
+                gemm = self._kernel("qmatmul_gemm", fmt, lambda: qmatmul_gemm_func(fmt, k, n, nb), k, n)
             small, large = self._call_branch(gemv, weights, n), self._call_branch(gemm, weights, n)
         return self.builder_.emit(relax.Call(self._dispatch_by_rows(qt, small, large), [x2]))
 

@@ -9,6 +9,8 @@ Kernels (see the rule modules):
                  on CUDA, shared memory past a warp), several columns per lane group
   gpu_gemm.py    prefill: shared-memory tiles of x and of the dequantized weights
                  (each weight dequantized once per tile), register tiles, fp32 FMA
+  gpu_gemm_tc.py prefill with ``--act fp16`` on CUDA: fp16 operands on tensor cores
+                 (TVM's wmma matmul rule over the dequantizing compute), fp32 sums
   gpu_sparse.py  the CSR outliers of mixed-2-4-16
   gpu_generic.py everything around the kernels (TVM's dlight GPU rules, checked on PoCL)
 
@@ -131,8 +133,10 @@ def facts(target: tvm.target.Target):
     # one (bcq3-g128: 16 vs 373 us at 4096 x 4096, 134 vs 739 us at 8192 x 28672;
     # docs/bench_gpu_h100.md), so CUDA dequantizes; OpenCL (unmeasured on a phone) keeps LUT-GEMM.
     bcq = {} if target.kind.name == "cuda" else {"bcq": "lut_gemv"}
+    from schedules.gpu_gemm_tc import tensor_cores
+
     return KernelFacts(family="gpu", col_block=1, gemv_max_rows=GEMV_MAX_ROWS[target.kind.name], row_tile=0,
-                       int8_activations=False, activations=("fp32", "fp16"),
+                       int8_activations=False, activations=("fp32", "fp16"), f16_gemm=tensor_cores(target),
                        gemv_options=lambda fmt, k: {"chunk": target_chunk(target, fmt, k)}, col_pad=COL_PAD,
                        f16_activations=lambda fmt, k: f16_activations(fmt, k, target_chunk(target, fmt, k)),
                        decode_kernel=bcq,
@@ -156,10 +160,10 @@ def f16_activations(fmt, k: int, chunk: int) -> bool:
 
 
 def rules() -> list:
-    from schedules import gpu_gemm, gpu_gemv, gpu_lut, gpu_sparse
+    from schedules import gpu_gemm, gpu_gemm_tc, gpu_gemv, gpu_lut, gpu_sparse
 
-    return [gpu_gemv.schedule_qmatmul_gpu, gpu_gemm.schedule_qmatmul_gemm_gpu, gpu_lut.schedule_lut_gemv_gpu,
-            gpu_sparse.schedule_outliers_gpu]
+    return [gpu_gemv.schedule_qmatmul_gpu, gpu_gemm.schedule_qmatmul_gemm_gpu, gpu_gemm_tc.schedule_qmatmul_gemm_tc,
+            gpu_lut.schedule_lut_gemv_gpu, gpu_sparse.schedule_outliers_gpu]
 
 
 def schedule_generic_ops(mod, target: tvm.target.Target):

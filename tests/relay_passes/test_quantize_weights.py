@@ -82,15 +82,20 @@ def test_int8_activations_on_a_gpu_fall_back_with_a_note():
     assert report.fp32_activation_fallbacks and "cuda" in report.fp32_activation_fallbacks[0]
 
 
-def test_fp16_activations_on_a_gpu_use_the_fp16_gemv():
+def test_fp16_activations_on_a_gpu_use_the_fp16_gemv_and_tensor_core_gemm():
     from qtvm.target import parse_target
 
-    mod, report = quantize_weights(import_onnx(mlp_model()), get_format("int4-g32"), parse_target("cuda -arch=sm_90"),
-                                   activations="fp16")
-    names = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
-    assert {n.split("_int4")[0] for n in names} == {"qmatmul_f16", "qmatmul_gemm"} and not report.fp32_activation_fallbacks
-    _, report = quantize_weights(import_onnx(mlp_model()), get_format("int3-g32"), parse_target("cuda -arch=sm_90"),
-                                 activations="fp16")
+    def kernels(preset, activations):
+        mod, report = quantize_weights(import_onnx(mlp_model()), get_format(preset),
+                                       parse_target("cuda -arch=sm_90"), activations=activations)
+        names = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+        return {n.split("_" + preset.split("-")[0])[0] for n in names if n.startswith("qmatmul")}, report
+
+    names, report = kernels("int4-g32", "fp16")
+    assert names == {"qmatmul_f16", "qmatmul_gemm_f16"} and not report.fp32_activation_fallbacks
+    assert kernels("int4-g32", "fp32")[0] == {"qmatmul", "qmatmul_gemm"}  # the exact kernels stay the default
+    names, report = kernels("int3-g32", "fp16")  # no fp16 unpack: both kernels stay fp32, reported
+    assert names == {"qmatmul", "qmatmul_gemm"}
     assert report.fp32_activation_fallbacks and "no fp16 kernel" in report.fp32_activation_fallbacks[0]
 
 

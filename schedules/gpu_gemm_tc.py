@@ -1,0 +1,50 @@
+"""Prefill rule on CUDA tensor cores: the ``qmatmul_gemm_f16`` compute (``--act fp16``).
+
+The compute is a plain fp16-in, fp32-out einsum ``acc[i, j] = sum_k x_f16[i, k] * w_f16[j, k]``
+whose two producers are the activation cast and the weight dequantization. TVM's
+tensor-core matmul rule (dlight's ``MatmulTensorization``) schedules exactly that form:
+
+    grid   (ceil(M / 128), N / 128)           M padded to the tile inside the kernel only
+    block  16 warps, each 32 x 32 outputs (2 x 2 wmma 16x16x16 fp32 accumulators)
+    for each K tile of 64, two-stage software pipeline (next tile's loads in registers):
+        xs[128, 64] = fp16(x tile)             shared memory
+        ws[128, 64] = fp16(dequantize(packed)) shared memory: the producers are inlined into
+                                               the copy, so each weight is dequantized once per
+                                               block and only packed words come from HBM
+        wmma fragments of xs and ws, mma_sync
+    accumulators -> shared memory -> y (columns < N)
+
+Measured on an H200 (docs/bench_gpu_h100.md): 4.6-5.4x the exact fp32 GEMM at M = 256, still
+4-6x slower than cuBLAS' fp16 matmul. A schedule of our own with smaller tiles (32-128 x 32-128,
+4-8 warps, with and without the pipeline) won at M <= 128 (52 vs 99 us at 32 x 4096 x 4096)
+and lost at prefill sizes (M >= 256), so it was not kept. The exact fp32 GEMM
+(``schedules/gpu_gemm.py``) stays the default; fp16 operands are the user's choice. Where the
+tensor-core rule declines (a target without fp16 tensor cores), TVM's generic GPU matmul rule
+schedules the same compute without them.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir
+
+from schedules import gpu
+
+#: wmma's fp16 fragments need sm_70 or later.
+MIN_SM = 70
+
+
+def tensor_cores(target: tvm.target.Target) -> bool:
+    """Whether ``target`` is CUDA with fp16 tensor cores (an ``-arch`` of sm_70 or later)."""
+    if target.kind.name != "cuda":
+        return False
+    arch = str(target.attrs.get("arch", ""))
+    return arch.startswith("sm_") and arch[3:5].isdigit() and int(arch[3:5]) >= MIN_SM
+
+
+def schedule_qmatmul_gemm_tc(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    if target.kind.name != "cuda" or not gpu.applies(func, target, "qmatmul_gemm_f16"):
+        return None  # OpenCL (no tensor cores in TVM's OpenCL codegen) keeps the exact GEMM
+    from tvm.s_tir.dlight.gpu.matmul import Matmul, MatmulTensorization
+
+    sch = MatmulTensorization().apply(func, target, False) if tensor_cores(target) else None
+    return sch if sch is not None else Matmul().apply(func, target, False)
