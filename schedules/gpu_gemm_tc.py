@@ -14,8 +14,8 @@ tensor-core matmul rule (dlight's ``MatmulTensorization``) schedules exactly tha
         wmma fragments of xs and ws, mma_sync
     accumulators -> shared memory -> y (columns < N)
 
-Measured on an H200 (docs/bench_gpu_h100.md): 4.6-5.4x the exact fp32 GEMM at M = 256, still
-4-6x slower than cuBLAS' fp16 matmul. A schedule of our own with smaller tiles (32-128 x 32-128,
+Measured on an H200 (docs/bench_gpu_h100.md): 4.0-5.4x the exact fp32 GEMM at M = 256, still
+4.4-6.3x slower than cuBLAS' fp16 matmul. A schedule of our own with smaller tiles (32-128 x 32-128,
 4-8 warps, with and without the pipeline) won at M <= 128 (52 vs 99 us at 32 x 4096 x 4096)
 and lost at prefill sizes (M >= 256), so it was not kept. The exact fp32 GEMM
 (``schedules/gpu_gemm.py``) stays the default; fp16 operands are the user's choice. Where the
