@@ -599,17 +599,14 @@ def _time_kernels(d: Path, manifest: dict, results: dict, rounds: int) -> None:
         for name, launch, sets, nbytes in torch_peers(k, n, l2):
             results["timing"].append(_row(k, n, name, graph_time(launch, sets, rounds), nbytes, bw))
             del sets
-    for k, n in sorted({(e["k"], e["n"]) for e in manifest.get("gemm", [])}):
-        w16 = torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02
-        x16 = torch.randn(GEMM_ROWS, k, device="cuda", dtype=torch.float16)
-        sets = [w16.clone() for _ in range(rotation_copies(w16.numel() * 2, l2))]
-        seconds = graph_time(lambda w: x16 @ w, sets, rounds)
-        results["timing"].append(_row(k, n, "torch fp16 matmul", seconds, w16.numel() * 2, bw, GEMM_ROWS))
-        del sets, w16
-    for k, n in sorted({(e["k"], e["n"]) for e in manifest.get("tc_timing", [])}):
+    matmul_rows = {}  # torch's fp16 matmul beside the prefill GEMMs: (k, n) -> the rows timed there
+    for part, rows in (("gemm", (GEMM_ROWS,)), ("tc_timing", TC_M)):
+        for e in manifest.get(part, []):
+            matmul_rows.setdefault((e["k"], e["n"]), set()).update(rows)
+    for (k, n), rows in sorted(matmul_rows.items()):
         w16 = torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02
         sets = [w16.clone() for _ in range(rotation_copies(w16.numel() * 2, l2))]
-        for m in TC_M:
+        for m in sorted(rows):
             x16 = torch.randn(m, k, device="cuda", dtype=torch.float16)
             seconds = graph_time(lambda w: x16 @ w, sets, rounds)
             results["timing"].append(_row(k, n, "torch fp16 matmul", seconds, w16.numel() * 2, bw, m))
