@@ -122,6 +122,13 @@ def load_cuda_runtime(allow_stub: bool = True) -> str:
     return mode
 
 
+def sm_number(arch: str) -> int:
+    """The compute capability of an ``sm_XX`` name as a number (``sm_90a`` -> 90, ``sm_100`` ->
+    100); -1 for anything else."""
+    digits = arch[3:].rstrip("a") if arch.startswith("sm_") else ""
+    return int(digits) if digits.isdigit() else -1
+
+
 def device_arch(index: int = 0) -> str | None:
     """``sm_XX`` of CUDA device ``index``, or None when there is none (or no driver)."""
     import tvm

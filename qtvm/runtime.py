@@ -346,7 +346,7 @@ def _load_library(path: Path):
 
 def _check_cuda_arch(path: Path, metadata: dict, missing_ok: bool) -> None:
     """Refuse a CUDA artefact for a GPU older than it was built for; say so when there is none."""
-    from qtvm.cuda import device_arch
+    from qtvm.cuda import device_arch, sm_number
 
     required = str(metadata.get("required_gpu_arch", "sm_80"))
     have = device_arch()
@@ -355,7 +355,7 @@ def _check_cuda_arch(path: Path, metadata: dict, missing_ok: bool) -> None:
             return
         raise QtvmError(f"'{path}' runs on an NVIDIA GPU ({required} or newer) but no CUDA device is present",
                         "run it on a machine with an NVIDIA GPU and driver, or recompile with --target host")
-    if int(have[3:].rstrip("a")) < int(required[3:].rstrip("a")):
+    if sm_number(have) < sm_number(required):
         raise QtvmError(f"'{path}' was built for {required} and this GPU is {have}",
                         f"recompile with --target cuda -arch={have}")
 

@@ -35,10 +35,9 @@ MIN_SM = 70
 
 def tensor_cores(target: tvm.target.Target) -> bool:
     """Whether ``target`` is CUDA with fp16 tensor cores (an ``-arch`` of sm_70 or later)."""
-    if target.kind.name != "cuda":
-        return False
-    arch = str(target.attrs.get("arch", ""))
-    return arch.startswith("sm_") and arch[3:5].isdigit() and int(arch[3:5]) >= MIN_SM
+    from qtvm.cuda import sm_number
+
+    return target.kind.name == "cuda" and sm_number(str(target.attrs.get("arch", ""))) >= MIN_SM
 
 
 def schedule_qmatmul_gemm_tc(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:

@@ -168,3 +168,8 @@ def test_compile_cuda_retries_only_ptxas_register_failures(monkeypatch):
     monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL")
     with pytest.raises(RuntimeError, match="other error"):
         cuda.compile_cuda("m", target)
+
+
+def test_sm_number_reads_every_compute_capability_name():
+    assert [cuda.sm_number(a) for a in ("sm_80", "sm_90a", "sm_100", "sm_61")] == [80, 90, 100, 61]
+    assert [cuda.sm_number(a) for a in ("", "cuda", "sm_", "sm_x")] == [-1, -1, -1, -1]
