@@ -24,6 +24,10 @@ schedules the same compute without them.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
+
 import tvm
 from tvm import s_tir
 
@@ -45,5 +49,46 @@ def schedule_qmatmul_gemm_tc(func: tvm.tirx.PrimFunc, target: tvm.target.Target)
         return None  # OpenCL (no tensor cores in TVM's OpenCL codegen) keeps the exact GEMM
     from tvm.s_tir.dlight.gpu.matmul import Matmul, MatmulTensorization
 
+    import_tvm_cuda_intrinsics()
     sch = MatmulTensorization().apply(func, target, False) if tensor_cores(target) else None
     return sch if sch is not None else Matmul().apply(func, target, False)
+
+
+TVM_CUDA_INTRINSICS = "tvm.s_tir.tensor_intrin.cuda"
+
+
+def import_tvm_cuda_intrinsics() -> None:
+    """Import TVM's CUDA tensor intrinsics (the wmma ones dlight's rule tensorizes with) with
+    ``inspect.stack`` made shallow. Each of the package's ~500 ``@T.prim_func`` calls
+    ``inspect.stack()``, which reads the source line of every frame and scans ``sys.modules``
+    once per frame: 38 s in a fresh process, 4-8 minutes in a process that has imported torch
+    and onnxruntime (a test worker, a notebook). TVM's parser reads the frames themselves and
+    the source line of the third (0.27: ``resolve_closure_vars``, ``is_defined_in_class``), so
+    the shallow stack fills in those and leaves the others' source empty: 4 s, the same intrinsics."""
+    if TVM_CUDA_INTRINSICS in sys.modules:
+        return
+    full = inspect.stack
+    inspect.stack = shallow_stack
+    try:
+        importlib.import_module(TVM_CUDA_INTRINSICS)
+    finally:
+        inspect.stack = full
+
+
+#: Frames of a shallow stack whose source line is read (TVM's parser reads frame 2's).
+SHALLOW_SOURCE_FRAMES = 3
+
+
+def shallow_stack(context: int = 1) -> list[inspect.FrameInfo]:
+    """``inspect.stack(context)`` with the filename, line and source only for the innermost
+    ``SHALLOW_SOURCE_FRAMES`` frames (the others: their code's filename and line, no source)."""
+    frame, out = sys._getframe(1), []
+    while frame is not None:
+        if len(out) < SHALLOW_SOURCE_FRAMES:
+            info = inspect.getframeinfo(frame, context)
+            out.append(inspect.FrameInfo(frame, *info, positions=info.positions))
+        else:
+            out.append(inspect.FrameInfo(frame, frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name,
+                                         None, None))
+        frame = frame.f_back
+    return out

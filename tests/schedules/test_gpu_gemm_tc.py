@@ -6,6 +6,9 @@ the pass choosing it only where the format has fp16 kernels. No GPU here: the sc
 kernel runs in benchmarks/gpu_device_check.py (part ``tc``) on a lent card."""
 from __future__ import annotations
 
+import inspect
+import sys
+
 import numpy as np
 import pytest
 import tvm
@@ -51,6 +54,25 @@ def test_rule_is_the_tensor_core_matmul():
     assert "wmma.matrix_a" in text and "wmma.accumulator" in text and "tvm_mma_sync" in text
     assert gpu_gemm_tc.schedule_qmatmul_gemm_tc(qmatmul_gemm_f16_func(get_format("int4-g128"), 256, 64, 1),
                                                parse_target("opencl")) is None  # CUDA only
+
+
+def _stacks():
+    return inspect.stack(), gpu_gemm_tc.shallow_stack()
+
+
+def test_shallow_stack_has_what_tvms_parser_reads():
+    """TVM 0.27's parser reads each frame (closure variables) and frame 2's source line and
+    line number (``is_defined_in_class``); the shallow stack used while TVM's CUDA intrinsics
+    are imported must give those exactly (the rule test above tensorizes with them)."""
+    full, shallow = _stacks()
+    assert len(full) == len(shallow) > gpu_gemm_tc.SHALLOW_SOURCE_FRAMES
+    assert [f.frame for f in full] == [f.frame for f in shallow]
+    assert [(f.filename, f.lineno, f.function) for f in full] == [(f.filename, f.lineno, f.function) for f in shallow]
+    for i in range(gpu_gemm_tc.SHALLOW_SOURCE_FRAMES):
+        assert full[i].code_context == shallow[i].code_context and full[i].index == shallow[i].index
+    assert shallow[2].code_context and "_stacks()" in shallow[1].code_context[0]
+    gpu_gemm_tc.import_tvm_cuda_intrinsics()
+    assert gpu_gemm_tc.TVM_CUDA_INTRINSICS in sys.modules and inspect.stack is not gpu_gemm_tc.shallow_stack
 
 
 def test_tensor_cores_need_cuda_sm70():
