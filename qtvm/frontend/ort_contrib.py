@@ -129,7 +129,8 @@ def _gqa_refusals(node, attrs) -> None:
         unread.append("the output_qk output")
     if unread:
         raise ImportFailure(f"qtvm does not read its {', '.join(unread)}",
-                            "export without them (onnxruntime-genai's builder defaults), or file an issue")
+                            "export without them, or file an issue (onnxruntime-genai's builder writes none of "
+                            "them for LLaMA, Qwen, Phi, Gemma 1, Granite, Nemotron or ERNIE 4.5)")
 
 
 @converter(f"{MS}.GroupQueryAttention")

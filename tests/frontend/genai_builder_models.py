@@ -25,7 +25,14 @@ FAMILIES = {
     "qwen2_tied": "a tied embedding (GatherBlockQuantized on the lm_head's int4 weight), q/k/v biases",
     "phi": "a partial rotary, SkipLayerNormalization, LayerNormalization, Gelu",
     "qwen3": "q/k RMSNorm per head (Reshape around SimplifiedLayerNormalization)",
+    "phi3": "Phi-3 / Phi-4-mini: fused qkv and gate_up projections split after MatMulNBits",
+    "gemma": "Gelu MLP, the embedding scaled by sqrt(hidden), a tied embedding",
+    "granite": "embedding, residual and attention multipliers, logits scaling",
+    "nemotron": "LayerNormalization / SkipLayerNormalization, squared-ReLU MLP (Pow), partial rotary",
+    "ernie4_5": "an interleaved rotary inside GroupQueryAttention, a tied embedding",
 }
+#: families the builder writes that qtvm refuses, and the name in the refusal
+REFUSED = {"gemma2": "sliding_window_cache=1"}
 
 
 def _checkpoint(family: str, directory: pathlib.Path) -> None:
@@ -47,6 +54,22 @@ def _checkpoint(family: str, directory: pathlib.Path) -> None:
                                                **{**small, "hidden_size": 128}))
     elif family == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(num_key_value_heads=2, head_dim=16, **small))
+    elif family == "phi3":  # max = original max position embeddings: the builder's plain (not LongRoPE) Phi-3
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(num_key_value_heads=4, original_max_position_embeddings=256, **small))
+    elif family == "gemma":
+        model = tf.GemmaForCausalLM(tf.GemmaConfig(num_key_value_heads=2, head_dim=16, **small))
+    elif family == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                                     query_pre_attn_scalar=16, **small))
+    elif family == "granite":
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(num_key_value_heads=2, embedding_multiplier=12.0,
+                                                       residual_multiplier=0.22, attention_multiplier=1 / 64,
+                                                       logits_scaling=8.0, **small))
+    elif family == "nemotron":  # hidden 128: a rotary of 16 (cos_cache 8 wide, onnxruntime's minimum)
+        model = tf.NemotronForCausalLM(tf.NemotronConfig(num_key_value_heads=2, partial_rotary_factor=0.5,
+                                                         **{**small, "hidden_size": 128}))
+    elif family == "ernie4_5":  # head_dim 16 (its default, 128, is wider than hidden / heads here)
+        model = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(num_key_value_heads=2, head_dim=16, **small))
     else:
         raise ValueError(family)
     model.eval().save_pretrained(str(directory))

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtvm import dims
 from qtvm.errors import QtvmError
 from qtvm.pipeline import compile_model  # the compiler's TVM first (qtvm.runtime alone loads the runtime library)
-from tests.frontend.genai_builder_models import FAMILIES, cached_model, float_activations
+from tests.frontend.genai_builder_models import FAMILIES, REFUSED, cached_model, float_activations
 
 F32, I32, I64, U8 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8
 MS = "com.microsoft"
@@ -248,3 +248,12 @@ def test_builder_model(hf_dir, tmp_path, family):
     prompt = np.array([5, 17, 99, 3, 250], np.int64)
     reference = _ort_greedy(float_activations(path, tmp_path / "acc0.onnx"), module.inputs, prompt, 8)
     np.testing.assert_array_equal(generate(module, prompt, 8)[0, len(prompt):], reference)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_builder_model_refused_by_name(hf_dir, tmp_path, family):
+    """What qtvm does not model yet (Gemma 2's sliding-window cache: its sliding layers keep only
+    the window) is refused at import, by name, with nothing written."""
+    with pytest.raises(QtvmError, match=REFUSED[family]):
+        compile_model(cached_model(hf_dir, family), tmp_path / f"{family}.so", "host", "int4-g128")
+    assert not list(tmp_path.iterdir())
