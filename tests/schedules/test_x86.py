@@ -22,7 +22,9 @@ KNOBS = [
 ]
 
 
-CASES = [("int4-g128", 1000, knobs) for knobs in KNOBS] + [("int3-g64", 300, KNOBS[0]), ("int2-g32", 200, KNOBS[1])]
+CASES = [("int4-g128", 1000, knobs) for knobs in KNOBS] + [("int3-g64", 300, KNOBS[0]), ("int2-g32", 200, KNOBS[1]),
+                                                         ("int4-g64", 1000, {"fold_groups": 2}),  # 16 groups
+                                                         ("int2-g64", 250, {"fold_groups": 4})]  # 4 groups, K padded
 ISAS = sorted({"avx2", RUNNABLE[-1]})  # AVX2 and the widest ISA this host runs
 
 
@@ -79,6 +81,39 @@ def test_default_schedule_on_zen5_is_the_16_column_pass_knob():
     script = lambda t, **kn: x86.schedule_qmatmul_a8_x86(func, t, **kn).mod.script()  # noqa: E731
     assert script(zen5) == script(zen5, tile_cols=16) != script(zen5, tile_cols=64)
     assert script(skx) == script(skx, tile_cols=64) != script(skx, tile_cols=16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_folding_groups_later_gives_the_same_bits(isa):
+    """Folding two groups' partials at once (Zen 4's default for groups of 64) is the same
+    arithmetic in the same order as folding each group: the outputs are equal bit for bit."""
+    fmt, k, n = get_format("int4-g64"), 1000, 200
+    rng = np.random.default_rng(7)
+    qt = fmt.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    target, func = ISA_TARGETS[isa], ops.qmatmul_a8_func(fmt, k, n, NB)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    outs = []
+    for fold in (1, 2):
+        sch = x86.schedule_qmatmul_a8_x86(func, target, fold_groups=fold)
+        outs.append(run_a8(target, fmt, qt, x, lib=tvm.compile(tvm.IRModule({"main": sch.mod["main"]}),
+                                                                target=target))[0])
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_fold_comes_from_the_target_facts_and_must_divide_the_groups():
+    from qtvm.target import parse_target
+
+    zen4, skx = parse_target("llvm -mcpu=znver4"), parse_target("llvm -mcpu=skylake-avx512")
+    desc = lambda preset, k: ops.qmatmul_a8_func(get_format(preset), k, 64, NB).attrs[ops.FORMAT_ATTR]  # noqa: E731
+    assert x86.a8_fold_groups(zen4, desc("int4-g64", 4096)) == 2 and x86.a8_fold_groups(zen4, desc("int2-g64", 100)) == 2
+    assert x86.a8_fold_groups(zen4, desc("int4-g64", 192)) == 1  # 3 groups
+    assert x86.a8_fold_groups(zen4, desc("int4-g128", 4096)) == 1 and x86.a8_fold_groups(zen4, desc("int4-g32", 4096)) == 1
+    assert x86.a8_fold_groups(skx, desc("int4-g64", 4096)) == 1  # measured on Zen 4 only
+    func = ops.qmatmul_a8_func(get_format("int4-g64"), 192, 64, NB)
+    with pytest.raises(ValueError, match="fold_groups"):
+        x86.schedule_qmatmul_a8_x86(func, zen4, fold_groups=2)
+    with pytest.raises(ValueError, match="fold_groups"):
+        x86.schedule_qmatmul_a8_x86(ops.qmatmul_a8_func(get_format("int4-g32"), 256, 64, NB), zen4, fold_groups=2)
 
 
 def _mix(preset: str, isa: str, **knobs):
