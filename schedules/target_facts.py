@@ -228,7 +228,8 @@ _TABLE: dict[str, _CpuSpec] = {
                                              "last with this schedule: 452 vs 565 us), 1.37-1.38x for int2-g64 "
                                              "(2 runs), same outputs bit for bit; cache-hot within 3%; one run under "
                                              "heavy host contention, kernels alternating call by call: 1.05x / "
-                                             "0.95x; int4-g128 folding two groups at once: slower (1.11x)",
+                                             "0.95x; slower elsewhere: int4-g128 two groups at once 0.90x, int4-g32 two "
+                                             "or four 0.87x / 0.80x",
                            "prefill_prefetch": False,
                            "prefill_prefetch_source": "AMD EPYC Zen 4 VM (2 vCPUs): int8 prefill kernel without "
                                                       "software prefetch 1.14-1.21x faster at M = 64, 0.97-1.13x at "

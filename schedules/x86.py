@@ -257,10 +257,8 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
         tile_loop, acc_j = sch.split(acc_j, [None, tile_cols])
     fold = (a8_fold_groups(target, desc) if tile_loop is None else 1) if fold_groups is None else int(fold_groups)
     if fold > 1:  # the partials of ``fold`` groups, then one fold of them into the accumulators
-        if tile_loop is not None or int(desc["group"]) <= ops.ACT_BLOCK or (int(desc["padded_k"]) // int(
-                desc["group"])) % fold:
-            raise ValueError(f"fold_groups={fold} must divide the groups of more than {ops.ACT_BLOCK} values, "
-                             f"in whole-row passes")
+        if tile_loop is not None or (int(desc["padded_k"]) // int(desc["group"])) % fold:
+            raise ValueError(f"fold_groups={fold} must divide the groups, in whole-row passes")
         acc_g, _ = sch.split(acc_g, [None, fold])
     loop, blocks = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS,
                                        False, scope="global", gpart_at=tile_loop, folded=fold > 1)
@@ -303,7 +301,8 @@ def a8_fold_groups(target: tvm.target.Target, desc) -> int:
     """Groups whose partials the int8 GEMV folds into its accumulators at once: the target's
     measured ``a8_fold_k`` in groups where it is a multiple of the group (> 32 values) that
     divides the groups, else 1. Zen 4 streamed groups of 64 1.2-1.4x faster from DRAM folding
-    two at once (``target_facts``), with the same arithmetic in the same order."""
+    two at once (``target_facts``), with the same arithmetic in the same order; groups of 32
+    ran slower folded, so they never fold by default (the ``fold_groups`` knob still can)."""
     from schedules.target_facts import schedule_facts
 
     group, groups = int(desc["group"]), int(desc["padded_k"]) // int(desc["group"])
