@@ -25,7 +25,7 @@ FAMILIES = {
     "qwen2_tied": "a tied embedding (GatherBlockQuantized on the lm_head's int4 weight), q/k/v biases",
     "phi": "a partial rotary, SkipLayerNormalization, LayerNormalization, Gelu",
     "qwen3": "q/k RMSNorm per head (Reshape around SimplifiedLayerNormalization)",
-    "phi3": "Phi-3 / Phi-4-mini: fused qkv and gate_up projections split after MatMulNBits",
+    "phi3": "Phi-3 / Phi-4-mini, whose checkpoint fuses qkv and gate_up (the builder's graph has LLaMA's shape)",
     "gemma": "Gelu MLP, the embedding scaled by sqrt(hidden), a tied embedding",
     "granite": "embedding, residual and attention multipliers, logits scaling",
     "nemotron": "LayerNormalization / SkipLayerNormalization, squared-ReLU MLP (Pow), partial rotary",
