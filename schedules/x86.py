@@ -189,8 +189,9 @@ def _a8_groups_and_dots(sch: s_tir.Schedule, desc, acc, acc_g, acc_j, tile_cols:
         sch.set_scope(gpart, 0, scope)
     if int(desc["group"]) == ops.ACT_BLOCK:
         sch.add_unit_loop(gpart)
-    *gp_rows, gp_j, gp_b = sch.get_loops(gpart)[-3 if tiled else -2:]
-    gp_init_at = sch.get_loops(gpart)[-4 if tiled else -3] if folded else gp_b
+    loops = sch.get_loops(gpart)
+    *gp_rows, gp_j, gp_b = loops[-3 if tiled else -2:]
+    gp_init_at = loops[-4 if tiled else -3] if folded else gp_b
     sch.reorder(gp_b, *gp_rows, gp_j)
     sch.compute_at(dot, gp_b)
     if scope != "global":
@@ -232,7 +233,7 @@ def schedule_qmatmul_a8_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, 
 #   prefetch:  (bytes ahead, llvm.prefetch locality) of each step's prefetch, (0, 0) none
 #   unroll:    pragma_auto_unroll_max_step of each group's block loop (0: a loop)
 #   fold_groups: groups whose partials are folded into the accumulators at once (divides the
-#              groups; groups of more than 32 values; whole-row passes); default: ``a8_fold_groups``
+#              groups; whole-row passes); default: ``a8_fold_groups``
 def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, streams: int | None = None,
                          tile_cols=None, prefetch: tuple[int, int] | None = None, unroll=0,
                          fold_groups: int | None = None) -> None:
@@ -255,13 +256,14 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
     if tile_cols is not None and not (isinstance(tile_cols, int) and tile_cols == cols):
         # column tiles inside each group: the group's rows stay one contiguous stream
         tile_loop, acc_j = sch.split(acc_j, [None, tile_cols])
-    fold = (a8_fold_groups(target, desc) if tile_loop is None else 1) if fold_groups is None else int(fold_groups)
-    if fold > 1:  # the partials of ``fold`` groups, then one fold of them into the accumulators
-        if tile_loop is not None or (int(desc["padded_k"]) // int(desc["group"])) % fold:
-            raise ValueError(f"fold_groups={fold} must divide the groups, in whole-row passes")
-        acc_g, _ = sch.split(acc_g, [None, fold])
+    if fold_groups is None:
+        fold_groups = a8_fold_groups(target, desc) if tile_loop is None else 1
+    if fold_groups > 1:  # the partials of ``fold_groups`` groups, then one fold of them into the accumulators
+        if tile_loop is not None or _group_count(desc) % fold_groups:
+            raise ValueError(f"fold_groups={fold_groups} must divide the groups, in whole-row passes")
+        acc_g, _ = sch.split(acc_g, [None, fold_groups])
     loop, blocks = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS,
-                                       False, scope="global", gpart_at=tile_loop, folded=fold > 1)
+                                       False, scope="global", gpart_at=tile_loop, folded=fold_groups > 1)
     sch.tensorize(loop, intrin.intrin_name(bits, isa, prefetch_rows(prefetch, nb), unpack_gfni(target)))
     _unroll(sch, blocks, unroll)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
@@ -305,12 +307,15 @@ def a8_fold_groups(target: tvm.target.Target, desc) -> int:
     ran slower folded, so they never fold by default (the ``fold_groups`` knob still can)."""
     from schedules.target_facts import schedule_facts
 
-    group, groups = int(desc["group"]), int(desc["padded_k"]) // int(desc["group"])
-    fold_k = schedule_facts(target).a8_fold_k
+    group, fold_k = int(desc["group"]), schedule_facts(target).a8_fold_k
     if group <= ops.ACT_BLOCK or fold_k <= group or fold_k % group:
         return 1
     fold = fold_k // group
-    return fold if groups % fold == 0 else 1
+    return fold if _group_count(desc) % fold == 0 else 1
+
+
+def _group_count(desc) -> int:
+    return int(desc["padded_k"]) // int(desc["group"])
 
 
 def prefetch_rows(prefetch: tuple[int, int], nb: int) -> tuple[int, int]:
