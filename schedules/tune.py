@@ -22,7 +22,7 @@ categorical decision.  Each knob value is also written as an annotation
 
 The int8-activation kernels (``qmatmul_a8`` GEMV, ``qmatmul_a8_gemm`` prefill) have
 their own space, ``schedules.tune_a8.A8KnobSpace`` (streams, column tile, prefetch
-distance and level, unroll), and so have BCQ's LUT GEMVs (``schedules.tune_lut``: prefetch
+distance and level, unroll, groups per fold), and so have BCQ's LUT GEMVs (``schedules.tune_lut``: prefetch
 distance, unroll); ``space_of`` picks by the kernel's ``qtvm.kernel``.
 
 Measurement: MetaSchedule measures static shapes, so each kernel is tuned as a

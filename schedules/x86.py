@@ -259,7 +259,7 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
     if fold_groups is None:
         fold_groups = a8_fold_groups(target, desc) if tile_loop is None else 1
     if fold_groups > 1:  # the partials of ``fold_groups`` groups, then one fold of them into the accumulators
-        if tile_loop is not None or _group_count(desc) % fold_groups:
+        if tile_loop is not None or group_count(desc) % fold_groups:
             raise ValueError(f"fold_groups={fold_groups} must divide the groups, in whole-row passes")
         acc_g, _ = sch.split(acc_g, [None, fold_groups])
     loop, blocks = _a8_groups_and_dots(sch, desc, sch.get_sblock(ops.BLOCK_ACC), acc_g, acc_j, intrin.STEP_COLS,
@@ -311,10 +311,10 @@ def a8_fold_groups(target: tvm.target.Target, desc) -> int:
     if group <= ops.ACT_BLOCK or fold_k <= group or fold_k % group:
         return 1
     fold = fold_k // group
-    return fold if _group_count(desc) % fold == 0 else 1
+    return fold if group_count(desc) % fold == 0 else 1
 
 
-def _group_count(desc) -> int:
+def group_count(desc) -> int:
     return int(desc["padded_k"]) // int(desc["group"])
 
 

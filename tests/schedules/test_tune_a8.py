@@ -15,7 +15,7 @@ from qtvm import ops
 from qtvm.formats import get_format
 from qtvm.pipeline import build_module
 from qtvm.target import parse_target
-from schedules import tune, tune_a8, tune_runner
+from schedules import schedule_kernel, tune, tune_a8, tune_runner
 from tests.conftest import TUNING_WORKER, matmul_model
 from tests.kernels import NB, int8_rounded_reference, rel_err, run_a8
 
@@ -43,7 +43,7 @@ def _a8_kernels(mod):
             if str(f.attrs[ops.KERNEL_ATTR]) in tune_a8.KINDS}
 
 
-def test_space_has_a_design_space_per_streams_and_prefetch(model, target):
+def test_space_has_a_design_space_per_streams_prefetch_and_fold(model, target):
     kernels = _a8_kernels(model[2])
     assert set(kernels) == set(tune_a8.KINDS)
     for kind, (_gv, func) in kernels.items():
@@ -53,25 +53,53 @@ def test_space_has_a_design_space_per_streams_and_prefetch(model, target):
         assert isinstance(space, tune_a8.A8KnobSpace)
         assert (0, 0) in space.prefetch and len(space.prefetch) >= 8
         assert space.streams == ((1,) if kind == "qmatmul_a8_gemm" else (1, 2))  # 4 column blocks
+        assert space.folds == (1,)  # 3 groups of 128: no fold divides them
         spaces = space.design_spaces(tvm.s_tir.Schedule(tune.workload_of(compute)["main"]))
-        assert len(spaces) == len(space.streams) * len(space.prefetch)
+        assert len(spaces) == len(space.streams) * len(space.prefetch) * len(space.folds)
 
 
-@pytest.mark.parametrize("knobs", [
-    {"streams": 2, "tile_cols": 32, "prefetch_bytes": 0, "prefetch_locality": 0, "unroll": 256},
-    {"streams": 1, "tile_cols": 16, "prefetch_bytes": 2048, "prefetch_locality": 3, "unroll": 0},
+@pytest.mark.parametrize("mcpu, preset, k, folds, analytic", [
+    ("znver4", "int4-g64", 1000, (1, 2, 4), 2),  # 16 groups; Zen 4's measured fold
+    ("znver5", "int4-g64", 1000, (1, 2, 4), 1),  # 16-column passes: no fold
+    ("haswell", "int4-g128", 4096, (1, 2), 1),  # at most 256 rows a fold
+    ("haswell", "int3-g128", 300, (1,), 1),  # 3 groups
 ])
-def test_gemv_space_points_compute_the_rounded_product(knobs, target):
-    fmt = get_format(PRESET)
-    compute = ops.qmatmul_a8_func(fmt, K, 256, NB)  # 4 column blocks
+def test_fold_candidates_divide_the_groups_and_the_analytic_point_is_the_hand_schedule(mcpu, preset, k, folds,
+                                                                                          analytic):
+    """The analytic point compiles to the hand schedule's machine code, fold included."""
+    target = parse_target(f"llvm -mcpu={mcpu}")
+    compute = ops.qmatmul_a8_func(get_format(preset), k, 256, NB)
     space = tune_a8.A8KnobSpace.of(compute, target)
+    assert space.folds == folds and space.analytic["fold_groups"] == analytic
+
+    def asm(func):
+        return tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
+
+    assert asm(space.schedule(compute, space.analytic).mod["main"]) == asm(schedule_kernel(compute, target))
+
+
+@pytest.mark.parametrize("preset, k, knobs", [
+    (PRESET, K, {"streams": 2, "tile_cols": 32, "prefetch_bytes": 0, "prefetch_locality": 0, "unroll": 256,
+                 "fold_groups": 1}),
+    (PRESET, K, {"streams": 1, "tile_cols": 16, "prefetch_bytes": 2048, "prefetch_locality": 3, "unroll": 0,
+                 "fold_groups": 1}),
+    ("int4-g32", K, {"streams": 2, "tile_cols": 128, "prefetch_bytes": 0, "prefetch_locality": 0, "unroll": 256,
+                     "fold_groups": 2}),  # 10 groups of 32
+    ("int3-g64", 1000, {"streams": 1, "tile_cols": 64, "prefetch_bytes": 2048, "prefetch_locality": 3,
+                        "unroll": 0, "fold_groups": 4}),  # 16 groups of 64, the last one padded
+])
+def test_gemv_space_points_compute_the_rounded_product(preset, k, knobs, target):
+    fmt = get_format(preset)
+    compute = ops.qmatmul_a8_func(fmt, k, 256, NB)  # 4 column blocks
+    space = tune_a8.A8KnobSpace.of(compute, target)
+    assert knobs["fold_groups"] in space.folds
     func = space.schedule(compute, knobs).mod["main"]
     assert tune.kernel_knobs(func) == knobs
     lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
     rng = np.random.default_rng(1)
-    qt = fmt.quantize(rng.standard_normal((K, 256)).astype(np.float32))
+    qt = fmt.quantize(rng.standard_normal((k, 256)).astype(np.float32))
     for m in (1, 3):
-        x = rng.standard_normal((m, K)).astype(np.float32)
+        x = rng.standard_normal((m, k)).astype(np.float32)
         got, _ = run_a8(target, fmt, qt, x, lib=lib)
         assert rel_err(got, int8_rounded_reference(x, fmt, qt)) < 1e-5
 
