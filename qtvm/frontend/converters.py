@@ -52,11 +52,20 @@ def _product(imp, dims):
     return total
 
 
+def _factors(d) -> list:
+    """A dim as the factors of its product (``batch*4`` -> batch, 4), so that a factor of
+    one dim can cancel a dim of its own (BLOOM views ``[batch*4, seq, seq]`` as ``[batch, 4, seq, -1]``)."""
+    if isinstance(d, tirx.Mul):
+        return _factors(d.a) + _factors(d.b)
+    return [int(d.value)] if isinstance(d, tirx.IntImm) else [d]
+
+
 def _divide(imp, num: list, den: list):
     """prod(num) / prod(den) by cancelling equal factors (``batch*4*(past+seq)*16 /
     ((past+seq)*16) = batch*4``, which the arithmetic simplifier alone does not see
     through a sum); None if it does not divide."""
-    num = list(num)
+    num = [f for d in num for f in _factors(d)]
+    den = [f for d in den for f in _factors(d)]
     den_symbolic = [d for d in den if is_symbolic(d)]
     den = [d for d in den if not is_symbolic(d)]
     for d in den_symbolic:

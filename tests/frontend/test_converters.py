@@ -108,6 +108,26 @@ def test_reshape_minus_one_through_a_constant_inside_a_symbolic_dim(tmp_path):
     _check(module, session, lambda seq: {"x": np.random.default_rng(seq).standard_normal((2, seq, 64)).astype(np.float32)})
 
 
+
+def test_reshape_minus_one_cancels_a_factor_of_a_product_dim(tmp_path):
+    """[batch, 4, seq, seq] -> [-1, 0, 0] (batch*4) -> [batch, 4, seq, -1]: the -1 is
+    batch*4*seq*seq / (batch*4*seq) = seq, with batch a factor inside the dim batch*4
+    (BLOOM's attention scores, transformers' legacy and dynamo exports)."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]), _const("i0", [0]), _const("i2", [2]),
+        helper.make_node("Gather", ["shape", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["shape", "i2"], ["s"], axis=0),
+        _const("merge", [-1, 0, 0]), helper.make_node("Reshape", ["x", "merge"], ["m"]),
+        _const("four", [4]), _const("rest", [-1]),
+        helper.make_node("Concat", ["b", "four", "s", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["m", "target"], ["y"]),
+    ]
+    model = _model(nodes, [_x(dims=("batch", 4, "seq", "seq"))], [_x("y", ("batch", 4, "seq", "n"))])
+    module, result, session = _compile(tmp_path, model)
+    assert result.metadata["outputs"][0]["shape"] == ["batch", 4, "seq", "seq"]
+    _check(module, session,
+           lambda seq: {"x": np.random.default_rng(seq).standard_normal((3, 4, seq, seq)).astype(np.float32)})
+
 def test_legacy_expand_pattern_and_constant_of_shape(tmp_path):
     """The legacy exporter's Expand: ConstantOfShape(Shape(shape)) of ones, * -1, Equal,
     Where, Expand; and ConstantOfShape of a computed [seq, seq] shape."""

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from qtvm.pipeline import compile_model  # the compiler's TVM first (qtvm.runtime alone loads the runtime library)
-from tests.frontend.transformers_exports import EXPORTERS, FAMILIES, feeds, is_decoder
+from tests.frontend.transformers_exports import EXPORTERS, FAMILIES, MORE_FAMILIES, feeds, is_decoder
 
 # (batch, seq): a single token (the GEMV path), a left-padded batch, a longer prefill.
 LENGTHS = [(1, 1), (2, 7), (1, 33)]
@@ -59,6 +59,18 @@ def test_float_matches_onnxruntime(hf_model, hf_compiled, family, exporter):
     width = 256 if is_decoder(family) else 64
     assert meta["outputs"][0]["shape"] == ["batch", "seq", width]  # derived, not the exporter's names
     _compare(result, hf_model(family, exporter), "none", [(b, s, 0) for b, s in LENGTHS])
+
+
+@pytest.mark.parametrize("family,exporter,quant", [(f, "legacy", "none") for f in MORE_FAMILIES]
+                         + [("bloom", "dynamo", "none"), ("bloom", "legacy", "int4-g128"),
+                            ("bloom", "dynamo", "int4-g128")])
+def test_more_families_match_onnxruntime(hf_model, hf_compiled, family, exporter, quant):
+    """More architectures as users export them, at four bindings of (batch, seq) with a
+    left-padded row; BLOOM once failed to import (a -1 through its batch*heads dim)."""
+    result = hf_compiled(family, exporter, quant)
+    assert [i["shape"] for i in result.metadata["inputs"]] == [["batch", "seq"], ["batch", "seq"]]
+    tol = 1e-4 if quant == "none" else 1e-3
+    _compare(result, hf_model(family, exporter), quant, [(b, s, 0) for b, s in LENGTHS + [(3, 5)]], tol)
 
 
 @pytest.mark.parametrize("family,exporter", MODELS)

@@ -22,6 +22,12 @@ import numpy as np
 from qtvm.models.hf_cache import flat_cache_module
 
 FAMILIES = ("llama", "qwen2", "gpt2", "bert")
+#: checked at fewer settings (``test_importer.test_more_families_match_onnxruntime``): each brings
+#: ops or shapes the four above do not (ALiBi on a merged batch*heads dim, positions from a
+#: cumulative sum of the mask, partial rotary, multi-query attention, relative position buckets,
+#: disentangled attention)
+MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta", "t5_encoder", "deberta_v2")
+DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode")
 EXPORTERS = ("legacy", "dynamo")
 #: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
 #: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
@@ -46,6 +52,27 @@ def build(family: str):
                                                  bos_token_id=0, eos_token_id=0))
     elif family == "bert":
         model = tf.BertModel(tf.BertConfig(**small))
+    elif family == "bloom":
+        model = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4))
+    elif family == "opt":
+        model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                               num_attention_heads=4, max_position_embeddings=256,
+                                               word_embed_proj_dim=64))
+    elif family == "gpt_neox":
+        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(rotary_pct=0.25, **small))
+    elif family == "falcon":
+        model = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, max_position_embeddings=256))
+    elif family == "gpt_bigcode":
+        model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                                             n_positions=256))
+    elif family == "roberta":  # positions counted from padding_idx + 1: a table of 256 + 2
+        model = tf.RobertaModel(tf.RobertaConfig(pad_token_id=1, **{**small, "max_position_embeddings": 258}))
+    elif family == "t5_encoder":
+        model = tf.T5EncoderModel(tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                              num_heads=4))
+    elif family == "deberta_v2":
+        model = tf.DebertaV2Model(tf.DebertaV2Config(**small))
     elif family == "minilm":
         from qtvm.models.minilm import package_model_dir
 
@@ -56,7 +83,7 @@ def build(family: str):
 
 
 def is_decoder(family: str) -> bool:
-    return family in ("llama", "qwen2", "gpt2")
+    return family in DECODERS
 
 
 def _wrapper(model, family: str, kv: bool, layers: int, mask: bool = True):
