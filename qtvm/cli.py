@@ -16,6 +16,7 @@ EXIT_INTERNAL = 3
 
 
 def _cmd_compile(args) -> int:
+    from qtvm.frontend.onnx import parse_dim_options
     from qtvm.pipeline import compile_model
     from qtvm.quiet import tvm_output_captured
 
@@ -24,7 +25,8 @@ def _cmd_compile(args) -> int:
     with tvm_output_captured(), stages(["import + quantize", "schedule + build", "export"], "qtvm compile") as step:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
                                args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step,
-                               max_length=args.max_length, max_batch=args.max_batch, kv_step=not args.no_kv_step)
+                               max_length=args.max_length, max_batch=args.max_batch, kv_step=not args.no_kv_step,
+                               dims=parse_dim_options(args.dim))
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -222,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration inputs for --quant gptq:<preset> (e.g. gptq:int4-g128: GPTQ on each layer's "
                         "activations from one run of the float model): a .npz with one array per model input, or "
                         "a .npy for a one-input model")
+    c.add_argument("--dim", action="append", default=[], metavar="NAME=EXPR",
+                   help="an input dim the exporter named on its own, restated as an expression of the "
+                        "other dims (e.g. --dim s53='past + seq' for a dynamo export's attention-mask length); "
+                        "the runtime checks inputs against it. Repeat for several")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
     _add_deploy_arguments(c)
     c.set_defaults(fn=_cmd_compile)
@@ -280,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--act", choices=("fp32", "int8"), default="fp32",
                    help="activations of the kernels to tune, as `qtvm compile --act` (int8: the int8 GEMV and "
                         "prefill kernels; compile with the same --act to use the database)")
+    t.add_argument("--dim", action="append", default=[], metavar="NAME=EXPR",
+                   help="as `qtvm compile --dim`: an input dim the exporter named on its own, restated")
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
     _add_deploy_arguments(t)
     t.add_argument("--rpc", metavar="HOST:PORT", help="measure on the RPC servers registered with this TVM tracker "

@@ -15,7 +15,7 @@ from tvm import relax
 from qtvm.errors import QtvmError
 from qtvm.formats import get_format
 from qtvm.frontend.importer import import_facts
-from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, summarize, validate
+from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, rename_dims, summarize, validate
 from qtvm.target import cpu_flags_required, gpu_required, parse_target, with_host
 
 METADATA_FUNC = "qtvm_metadata"
@@ -59,7 +59,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
                  activations: str = "fp32", db: str | os.PathLike | None = None,
                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
                  calib: str | os.PathLike | None = None, max_length: int | None = None, max_batch: int = 1,
-                 kv_step: bool = True):
+                 kv_step: bool = True, dims: dict[str, str] | None = None):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
 
     A past_key_values export also gets ``qtvm_kv_step`` (``relay_passes.kv_cache``): greedy
@@ -70,7 +70,8 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     that a GPTQ checkpoint (``gptq``) supplies run on packed kernels whatever ``quant`` is;
     ``quant`` quantizes the remaining float weights ("none": they stay float);
     ``quant="gptq:<uniform preset>"`` GPTQ-quantizes them on the calibration inputs in
-    ``calib`` (``qtvm.gptq_compile``)."""
+    ``calib`` (``qtvm.gptq_compile``). ``dims`` {input dim name: expression} restates dims the
+    exporter named on its own (``--dim s53='past + seq'``: ``frontend.onnx.rename_dims``)."""
     from qtvm.formats.gptq_checkpoint import GptqCheckpoint
     from qtvm.frontend.quantized import lower_quantized
     from qtvm.gptq_compile import CalibratedCheckpoint, base_format, is_gptq_preset
@@ -93,6 +94,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         fmt = None if quant == FLOAT else get_format(quant)
         gptq = GptqCheckpoint(gptq, gptq_format) if gptq is not None else None
     model = load_onnx(model_path)
+    rename_dims(model, dims or {})
     validate(model, f"'{model_path}'")
     summary = summarize(model)
     lowered = lower_quantized(model, gptq)
@@ -236,7 +238,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                   calib: str | os.PathLike | None = None, *,
                   host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
                   progress=None, max_length: int | None = None, max_batch: int = 1,
-                  kv_step: bool = True) -> CompileResult:
+                  kv_step: bool = True, dims: dict[str, str] | None = None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
 
     ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
@@ -254,7 +256,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     step = progress or (lambda stage: None)
     step("import + quantize")
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib,
-                                             max_length, max_batch, kv_step)
+                                             max_length, max_batch, kv_step, dims)
     notes = ([host_note] if host_note else []) + notes
     step("schedule + build")
     ex = compile_relax(schedule_generic_ops(mod, target), target)

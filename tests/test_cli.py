@@ -65,6 +65,8 @@ def test_bad_model_files(tmp_path, case):
     (["--target", "llvm", "-mcpu=notacpu"], "does not know the CPU 'notacpu'"),
     (["--target", "tpu"], "unknown target kind 'tpu'"),
     (["--target", "llvm -foo=1"], "invalid target"),
+    (["--dim", "seq"], "--dim 'seq' is not NAME=EXPRESSION"),
+    (["--dim", "past=seq + 1"], "--dim names 'past', which no input dim is called"),
 ])
 def test_bad_options(mlp_path, tmp_path, args, needle):
     out = tmp_path / "out.so"

@@ -22,6 +22,8 @@ the input symbols:
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 from tvm import relax, tirx
@@ -338,6 +340,10 @@ for _op in BROADCASTING:
         CONVERTERS[_op] = broadcasting
 
 
+#: dim names exporters make up: torch.export's s53, the legacy exporter's unk__0 and Add_dim_1, ours input_dim1
+_EXPORTER_NAMED = re.compile(r"^(s\d+|unk__\d+|.*_dim_?\d+)$")
+
+
 def _unrelated(imp, node, named, out) -> ImportFailure:
     width = len(out)
     bad = [i for i, d in enumerate(out) if d is None]
@@ -346,10 +352,15 @@ def _unrelated(imp, node, named, out) -> ImportFailure:
         padded = [1] * (width - len(dims)) + list(dims)
         parts.append(f"'{name}' {imp.sym.dims_text(dims)} (axis {', '.join(str(i - width) for i in bad)}: "
                      f"{', '.join(imp.sym.text(padded[i]) for i in bad)})")
+    free = {v.name for _name, dims in named for i in bad for d in ([1] * (width - len(dims)) + list(dims))[i:i + 1]
+            if is_symbolic(d) for v in tirx.analysis.undefined_vars(imp.sym.expr(d))}
+    invented = sorted(n for n in free if _EXPORTER_NAMED.match(n))
+    example = f"--dim {invented[0] if invented else 'NAME'}=EXPR, e.g. 'past + seq'"
     return ImportFailure(
         f"the symbolic dims of {' and '.join(parts)} cannot be related (neither provably equal nor 1)",
         "if they are equal, give them one name (or an expression such as 'past + seq') in the export's "
-        "dynamic axes; otherwise the model is not valid ONNX for these shapes")
+        f"dynamic axes, or restate an input dim the exporter named on its own ({example}); otherwise the "
+        "model is not valid ONNX for these shapes")
 
 
 from qtvm.frontend import attention as _attention  # noqa: E402,F401  (registers Attention, RotaryEmbedding)

@@ -42,6 +42,44 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
+def parse_dim_options(items) -> dict[str, str]:
+    """``--dim NAME=EXPR`` options -> {NAME: EXPR}; malformed ones all named in one error."""
+    from qtvm import dims as dimexpr
+
+    out, bad = {}, []
+    for item in items or ():
+        name, sep, expr = str(item).partition("=")
+        name, expr = name.strip(), expr.strip()
+        if not sep or not name or not expr or dimexpr.parse(name) is not None or \
+                (dimexpr.parse(expr) is None and not dimexpr.symbols(expr)[0].isidentifier()):
+            bad.append(repr(str(item)))
+        else:
+            out[name] = expr
+    if bad:
+        raise QtvmError(f"--dim {', '.join(bad)} is not NAME=EXPRESSION",
+                        "e.g. --dim s53='past + seq' (an input's dim name, then + - * // of the other dims)")
+    return out
+
+
+def rename_dims(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    """Give input dims named by the exporter (``s53``, ``unk__0``) the expression the user
+    states they equal (``past + seq``), in place: an exporter that cannot name a dim as an
+    expression (torch.export's dims derive from one symbol) leaves the compiler a fresh
+    symbol it cannot relate to the others. The runtime checks inputs against the expression."""
+    if not renames:
+        return
+    used = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
+    unknown = [name for name in renames if name not in used]
+    if unknown:
+        raise QtvmError(f"--dim names {', '.join(repr(n) for n in unknown)}, which no input dim is called "
+                        f"(the inputs' dims: {', '.join(sorted(used)) or 'none named'})",
+                        "name a dim as the model's inputs do (`qtvm compile` errors name them)")
+    for vi in [*model.graph.input, *model.graph.output]:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in renames:
+                d.dim_param = renames[d.dim_param]
+
+
 def validate(model: onnx.ModelProto, name: str = "model") -> None:
     """Unsupported ops, attributes and dtypes first (all named at once), then the ONNX checker."""
     from qtvm.frontend.op_support import unsupported_features

@@ -217,6 +217,50 @@ def test_unrelated_symbolic_dims_name_the_tensors_and_dims():
     assert "cannot be related" in text and "past + seq" in text  # the fix says how to relate them
 
 
+def test_a_dim_the_exporter_named_is_restated_with_dim(tmp_path):
+    """torch.export names an attention mask's length on its own (s53); the import cannot
+    relate it to past + seq and says which --dim restates it; with it the model compiles,
+    matches onnxruntime, and the runtime checks the mask against past + seq."""
+    from qtvm import runtime
+    from qtvm.frontend.onnx import parse_dim_options
+
+    nodes = [helper.make_node("Concat", ["past", "x"], ["all"], axis=1), helper.make_node("Add", ["all", "mask"], ["y"])]
+    model = _model(nodes, [_x(), _x("past", ("batch", "past")), _x("mask", ("batch", "s53"))],
+                   [_x("y", ("batch", "s53"))])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(QtvmError, match=r"--dim s53=EXPR"):
+        compile_model(path, tmp_path / "no.so", "host", "none")
+    assert not (tmp_path / "no.so").exists()
+    result = compile_model(path, tmp_path / "m.so", "host", "none", dims=parse_dim_options(["s53=past + seq"]))
+    assert [i["shape"] for i in result.metadata["inputs"]][2] == ["batch", "past + seq"]
+    module, session = runtime.load(result.path), ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    for batch, seq, past in ((1, 1, 0), (2, 3, 5), (3, 1, 17)):
+        feeds = {"x": rng.standard_normal((batch, seq)).astype(np.float32),
+                 "past": rng.standard_normal((batch, past)).astype(np.float32),
+                 "mask": rng.standard_normal((batch, past + seq)).astype(np.float32)}
+        np.testing.assert_allclose(module.run(feeds)["y"], session.run(None, feeds)[0], rtol=1e-6)
+    with pytest.raises(QtvmError, match="past \\+ seq"):
+        module.run({**feeds, "mask": np.zeros((3, 5), np.float32)})
+
+
+@pytest.mark.parametrize("options, message", [
+    (["s53"], "--dim 's53' is not NAME=EXPRESSION"),
+    (["=past + seq", "s53=past +"], "--dim '=past \\+ seq', 's53=past \\+' is not NAME=EXPRESSION"),
+    (["s99=past + seq"], "--dim names 's99', which no input dim is called \\(the inputs' dims: batch, past, seq\\)"),
+])
+def test_dim_option_errors_name_the_problem(tmp_path, options, message):
+    from qtvm.frontend.onnx import parse_dim_options
+
+    nodes = [helper.make_node("Concat", ["past", "x"], ["y"], axis=1)]
+    path = tmp_path / "m.onnx"
+    onnx.save(_model(nodes, [_x(), _x("past", ("batch", "past"))], [_x("y", ("batch", "n"))]), str(path))
+    with pytest.raises(QtvmError, match=message):
+        compile_model(path, tmp_path / "m.so", "host", "none", dims=parse_dim_options(options))
+    assert not (tmp_path / "m.so").exists()
+
+
 def test_dimension_expression_needs_its_symbols_defined():
     from qtvm.frontend.onnx import import_onnx
 
