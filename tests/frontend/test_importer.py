@@ -107,6 +107,25 @@ def test_kv_cache_export_past_zero_and_more(hf_model, hf_compiled, exporter):
     _compare(result, hf_model("llama", exporter, kv=True), "none", [(1, 1, 0), (2, 4, 0), (1, 1, 5), (2, 3, 9)])
 
 
+@pytest.mark.parametrize("family,exporter", [("falcon", "legacy"), ("opt", "dynamo")])
+def test_more_families_with_a_kv_cache(hf_model, tmp_path, family, exporter):
+    """Falcon's multi-query cache; OPT from torch.export, whose mask length (named by the
+    exporter, e.g. s53) its positions need related to past + seq: refused with the --dim to
+    pass, then compiled with it and compared at past 0 and > 0."""
+    from qtvm.errors import QtvmError
+
+    path = hf_model(family, exporter, kv=True)
+    mask = onnx.load(str(path), load_external_data=False).graph.input[1].type.tensor_type.shape.dim[1].dim_param
+    dims = {} if mask == "past + seq" else {mask: "past + seq"}
+    if dims:
+        with pytest.raises(QtvmError, match=f"--dim {mask}=EXPR"):
+            compile_model(path, tmp_path / "no.so", "host", "none", max_batch=2)
+        assert not (tmp_path / "no.so").exists()
+    result = compile_model(path, tmp_path / "m.so", "host", "none", max_batch=2, dims=dims)
+    assert result.metadata["inputs"][1]["shape"] == ["batch", "past + seq"]
+    _compare(result, path, "none", [(1, 1, 0), (2, 4, 0), (1, 1, 5), (2, 3, 9)])
+
+
 def test_kv_cache_int4(hf_model, hf_compiled):
     result = hf_compiled("gpt2", "legacy", "int4-g128", kv=True)
     _compare(result, hf_model("gpt2", "legacy", kv=True), "int4-g128", [(1, 1, 0), (2, 5, 3)])

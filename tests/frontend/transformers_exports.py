@@ -110,7 +110,10 @@ def kv_shape(model) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a decoder."""
     cfg = model.config
     heads = cfg.num_attention_heads
-    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if cfg.model_type == "falcon" and not cfg.new_decoder_architecture:
+        kv_heads = 1 if cfg.multi_query else heads  # its num_kv_heads is read by the new architecture only
+    return cfg.num_hidden_layers, kv_heads, cfg.hidden_size // heads
 
 
 def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False, mask: bool = True) -> pathlib.Path:
