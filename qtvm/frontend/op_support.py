@@ -62,6 +62,9 @@ def _has_output(node: onnx.NodeProto, i: int) -> bool:
     return len(node.output) > i and node.output[i] != ""
 
 
+_INDEX_DTYPES = (TensorProto.INT64, TensorProto.INT32)
+
+
 def _value_types(model: onnx.ModelProto):
     """(what, value name, TypeProto) of every graph input, output and annotated value."""
     g = model.graph
@@ -77,6 +80,10 @@ def _dtype_problems(model: onnx.ModelProto) -> list[str]:
         if elem_type not in SUPPORTED_DTYPES:
             problems.setdefault(f"{_dtype_name(elem_type)} tensors", []).append(where)
 
+    # An empty integer vector known at compile time is a shape or an axes list (ConstantOfShape of a
+    # scalar): the import folds it; onnxruntime's quantizers annotate it as a [0] value.
+    empty_ok = {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.output}
+    empty_ok |= {init.name for init in model.graph.initializer}
     for what, name, ty in _value_types(model):
         kind = ty.WhichOneof("value")
         if kind != "tensor_type":
@@ -85,7 +92,8 @@ def _dtype_problems(model: onnx.ModelProto) -> list[str]:
             continue
         if ty.tensor_type.elem_type:
             note(ty.tensor_type.elem_type, f"{what} '{name}'")
-        if any(d.HasField("dim_value") and d.dim_value == 0 for d in ty.tensor_type.shape.dim):
+        if any(d.HasField("dim_value") and d.dim_value == 0 for d in ty.tensor_type.shape.dim) and not (
+                what == "value" and name in empty_ok and ty.tensor_type.elem_type in _INDEX_DTYPES):
             problems.setdefault("zero-size tensors", []).append(f"{what} '{name}'")
     # Low-bit codes a DequantizeLinear reads are qtvm's to repack (qtvm/frontend/quantized.py).
     dequantized = {name for n in model.graph.node if n.op_type == "DequantizeLinear"
@@ -93,7 +101,7 @@ def _dtype_problems(model: onnx.ModelProto) -> list[str]:
     for init in model.graph.initializer:
         if init.name not in dequantized:
             note(init.data_type, f"initializer '{init.name}'")
-        if 0 in init.dims:
+        if 0 in init.dims and init.data_type not in _INDEX_DTYPES:
             problems.setdefault("zero-size tensors", []).append(f"initializer '{init.name}'")
     for i, node in enumerate(model.graph.node):
         if node.op_type == "Cast" and _attr(node, "to") is not None:

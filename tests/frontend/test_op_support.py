@@ -60,6 +60,37 @@ def test_zero_size_tensors_named():
     assert unsupported_features(model) == ["zero-size tensors (input 'x', output 'y')"]
 
 
+@pytest.mark.parametrize("shape_from", ["constant", "initializer"])
+def test_an_empty_shape_known_at_compile_time_is_not_refused(tmp_path, shape_from):
+    """ConstantOfShape of an empty int64 shape is a scalar; onnxruntime's quantize_dynamic
+    annotates that shape as a [0] value (BLOOM, OPT and T5 legacy exports were refused), and
+    other tools store it as an initializer. A float zero-size value is still refused."""
+    import onnxruntime as ort
+
+    from qtvm import runtime
+    from qtvm.pipeline import compile_model
+
+    empty = onnx.numpy_helper.from_array(np.zeros(0, np.int64), "shape")
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["fill"],
+                              value=onnx.numpy_helper.from_array(np.array([2.5], np.float32))),
+             helper.make_node("Add", ["x", "fill"], ["y"])]
+    if shape_from == "constant":
+        nodes.insert(0, helper.make_node("Constant", [], ["shape"], value=empty))
+    model = _model(nodes, [_f("x", ["batch", 3])], [_f("y", ["batch", 3])], opset=17,
+                   inits=[empty] if shape_from == "initializer" else [])
+    model.graph.value_info.extend([_f("shape", [0], TensorProto.INT64), _f("fill", [])])
+    assert unsupported_features(model) == []
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    module = runtime.load(compile_model(path, tmp_path / "m.so", "host", "none").path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 4):
+        x = {"x": np.arange(batch * 3, dtype=np.float32).reshape(batch, 3)}
+        np.testing.assert_array_equal(module.run(x)["y"], session.run(None, x)[0])
+    model.graph.value_info.append(_f("x_empty", [0, 3]))
+    assert unsupported_features(model) == ["zero-size tensors (value 'x_empty')"]
+
+
 def test_dtypes_and_sequences_named():
     nodes = [helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT8E4M3FN, name="to_fp8"),
              helper.make_node("Identity", ["x"], ["y"])]
