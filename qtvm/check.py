@@ -18,7 +18,10 @@ inputs jittered (``FLIP_JITTERS``, relative), the largest difference that makes 
 is its "flip noise", and the own error may reach ``FLIP_FACTOR`` x the largest flip noise (at
 least ``INT8_ACT_FLOOR``). Where ONNX cannot express the rounding here
 (``UnmodelledRounding``) the reference keeps fp32 activations and the looser
-``INT8_UNMODELLED_TOLERANCE``; the report says which.
+``INT8_UNMODELLED_TOLERANCE``; the report says which. A model that quantizes its own
+activations (QuantizeLinear, DynamicQuantizeLinear: onnxruntime's static and dynamic
+quantizers) has rounding steps of its own: its reference is jittered at those nodes
+(``_jittered_quantizers``) and the tolerance measured the same way.
 """
 from __future__ import annotations
 
@@ -346,11 +349,15 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         raise QtvmError(f"the artefact takes inputs {[i['name'] for i in module.inputs]} but the model "
                         f"takes {model_inputs}", "pass the model the artefact was compiled from")
     ref_model, reference, default_tol = _dequantized_reference(model, meta)
+    if default_tol == FP32_TOLERANCE and _activation_quantizers(ref_model):
+        ref_model = _jittered_quantizers(ref_model)
+        reference, default_tol = reference + QDQ_NOTE, None
     float_sess, ref_sess = _session(model), _session(ref_model)
     from qtvm.reference import JITTER_INPUT
 
-    jitter_inputs = [(i.name, i.shape[0]) for i in ref_sess.get_inputs() if i.name.startswith(JITTER_INPUT)]
-    no_jitter = {name: np.ones(k, np.float32) for name, k in jitter_inputs}
+    jitter_inputs = [(i.name, i.shape[0] if i.shape else 0) for i in ref_sess.get_inputs()
+                     if i.name.startswith(JITTER_INPUT)]
+    no_jitter = {name: np.ones(k, np.float32) if k else np.zeros((), np.float32) for name, k in jitter_inputs}
     report = CheckReport(tolerance if tolerance is not None else default_tol, reference)
     tied = tied_dims(meta)
     dims = [d for d in _symbolic_dims(module.inputs) if d not in tied]
@@ -387,6 +394,49 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     return report
 
 
+QDQ_NOTE = ("; the model's own activation quantizers (QuantizeLinear, DynamicQuantizeLinear) round too, so "
+            "a last-bit difference upstream can move a rounding step: the tolerance is measured as for int8")
+
+
+def _activation_quantizers(model) -> list[int]:
+    """Indices of ``model``'s QuantizeLinear / DynamicQuantizeLinear nodes of values computed at run time."""
+    known = {t.name for t in model.graph.initializer}
+    known |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return [i for i, n in enumerate(model.graph.node) if n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear")
+            and n.input and n.input[0] not in known]
+
+
+def _jittered_quantizers(model):
+    """A copy whose activation quantizers read x * (1 + J * u), u a fixed uniform(-1, 1) noise per
+    node and J the scalar input ``JITTER_INPUT + "qdq"`` (fed 0: exactly the model), so the check
+    measures how far this model's rounding steps move its outputs (its flip noise)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from qtvm.reference import JITTER_INPUT
+
+    out = _copy(model)
+    scale = JITTER_INPUT + "qdq"
+    out.graph.input.append(helper.make_tensor_value_info(scale, TensorProto.FLOAT, []))
+    targets = set(_activation_quantizers(out))
+    nodes = []
+    for i, node in enumerate(out.graph.node):
+        if i in targets:
+            x, tag = node.input[0], f"qtvm_qdq_jitter/{i}"
+            nodes += [helper.make_node("RandomUniformLike", [x], [tag + "/u"], low=-1.0, high=1.0, seed=float(i + 1)),
+                      helper.make_node("Mul", [tag + "/u", scale], [tag + "/ju"]),
+                      helper.make_node("Constant", [], [tag + "/one"], value=helper.make_tensor("", TensorProto.FLOAT,
+                                                                                                 [], [1.0])),
+                      helper.make_node("Add", [tag + "/one", tag + "/ju"], [tag + "/f"]),
+                      helper.make_node("Mul", [x, tag + "/f"], [tag + "/x"])]
+            node = onnx.NodeProto.FromString(node.SerializeToString())
+            node.input[0] = tag + "/x"
+        nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _run(session, feed: dict, binding: dict) -> dict:
     """Output name -> value; onnxruntime's refusal of a binding as one line naming it."""
     try:
@@ -407,8 +457,9 @@ def _flip_noise(session, feed: dict, jitter_inputs: list, want: dict, rng: np.ra
     """Output name -> the largest error of the jittered reference (``FLIP_JITTERS``) against ``want``."""
     names = [o.name for o in session.get_outputs()]
     noise = dict.fromkeys(names, 0.0)
-    for size in FLIP_JITTERS:
-        jitter = {n: (1 + size * rng.uniform(-1, 1, k)).astype(np.float32) for n, k in jitter_inputs}
+    for size in FLIP_JITTERS:  # a scalar jitter (k = 0) scales its node's fixed noise pattern
+        jitter = {n: (1 + size * rng.uniform(-1, 1, k)).astype(np.float32) if k
+                  else np.array(size * rng.uniform(-1, 1), np.float32) for n, k in jitter_inputs}
         for name, value in zip(names, session.run(None, {**feed, **jitter})):
             noise[name] = max(noise[name], _rel(value, want[name]))
     return noise

@@ -295,3 +295,44 @@ def test_accuracy_level_4_compared_at_level_0():
     model = helper.make_model(helper.make_graph(nodes, "g", [], []))
     assert _float_activations(model) == 1
     assert [n.attribute[0].i for n in model.graph.node] == [0, 1, 0]
+
+
+def _qdq_model(seed: int) -> onnx.ModelProto:
+    """x[batch, seq, 64] -> QuantizeLinear/DequantizeLinear (uint8, as onnxruntime's static
+    quantizer writes for activations) -> MatMul -> the same again -> MatMul: two rounding steps."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}") for i in (0, 1)]
+    inits += [numpy_helper.from_array(np.float32(s), f"s{i}") for i, s in ((0, 0.03), (1, 0.3))]
+    inits += [numpy_helper.from_array(np.uint8(128), "z")]
+    nodes = []
+    for i, (x, y) in enumerate((("x", "h"), ("h", "y"))):
+        nodes += [helper.make_node("QuantizeLinear", [x, f"s{i}", "z"], [f"q{i}"]),
+                  helper.make_node("DequantizeLinear", [f"q{i}", f"s{i}", "z"], [f"d{i}"]),
+                  helper.make_node("MatMul", [f"d{i}", f"w{i}"], [y])]
+    graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 64])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_models_that_round_their_own_activations_measure_the_flip_noise(tmp_path):
+    """A model with activation QuantizeLinear rounds where a last-bit difference upstream can
+    move a step: its reference is jittered at those nodes (fed 0 it is the model, bit for bit),
+    the tolerance is measured, and an artefact of other weights still fails."""
+    import onnxruntime as ort
+
+    from qtvm.check import _jittered_quantizers
+    from qtvm.reference import JITTER_INPUT
+
+    a, b, art = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "a.so"
+    onnx.save(_qdq_model(0), str(a))
+    onnx.save(_qdq_model(1), str(b))
+    jittered = _jittered_quantizers(_qdq_model(0))
+    x = {"x": np.random.default_rng(2).standard_normal((2, 5, 64)).astype(np.float32)}
+    plain = ort.InferenceSession(str(a), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    session = ort.InferenceSession(jittered.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {**x, JITTER_INPUT + "qdq": np.zeros((), np.float32)})[0], plain)
+    assert _cli("compile", a, "--quant", "none", "-o", art).returncode == 0
+    report = check(a, art)
+    assert report.ok and "activation quantizers" in report.reference and "flip noise" in report.rule
+    run = _cli("check", b, art)
+    assert run.returncode == 1 and "MISMATCH" in run.stdout
