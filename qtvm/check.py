@@ -283,6 +283,8 @@ def _dequantized_reference(model, meta: dict):
         raise QtvmError(f"the artefact's format '{fmt_name}' cannot be rebuilt for a reference",
                         "check an artefact compiled with a preset from `qtvm formats`")
     fmt, what = get_format(fmt_name), f"onnxruntime on the {fmt_name} weights dequantized"
+    if meta.get("prequantized_matmuls") and meta["prequantized_matmuls"] == meta["quantized_matmuls"]:
+        what = "onnxruntime on the model's own quantized weights (no float weights were left to quantize)"
     if not int8:
         reference = dequantized_model(model, fmt)
         return reference, what + (_RELAXED if _float_activations(reference) else ""), FP32_TOLERANCE
