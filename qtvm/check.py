@@ -401,7 +401,12 @@ QDQ_NOTE = ("; the model's own activation quantizers (QuantizeLinear, DynamicQua
 
 
 def _activation_quantizers(model) -> list[int]:
-    """Indices of ``model``'s QuantizeLinear / DynamicQuantizeLinear nodes of values computed at run time."""
+    """Indices of ``model``'s QuantizeLinear / DynamicQuantizeLinear nodes of values computed at run
+    time; none for a model with half-precision inputs (the jitter is float32 arithmetic)."""
+    from onnx import TensorProto
+
+    if any(i.type.tensor_type.elem_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for i in model.graph.input):
+        return []
     known = {t.name for t in model.graph.initializer}
     known |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     return [i for i, n in enumerate(model.graph.node) if n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear")

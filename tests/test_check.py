@@ -336,3 +336,14 @@ def test_models_that_round_their_own_activations_measure_the_flip_noise(tmp_path
     assert report.ok and "activation quantizers" in report.reference and "flip noise" in report.rule
     run = _cli("check", b, art)
     assert run.returncode == 1 and "MISMATCH" in run.stdout
+
+
+def test_activation_quantizers_found_at_run_time_values_only():
+    from qtvm.check import _activation_quantizers
+
+    model = _qdq_model(0)
+    assert _activation_quantizers(model) == [0, 3]
+    model.graph.node[0].input[0] = "w1"  # a weight's quantizer: folded, nothing to jitter
+    assert _activation_quantizers(model) == [3]
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    assert _activation_quantizers(model) == []  # the jitter's float32 arithmetic would not type-check
