@@ -405,10 +405,11 @@ def _activation_quantizers(model) -> list[int]:
     time; none for a model with half-precision inputs (the jitter is float32 arithmetic)."""
     from onnx import TensorProto
 
+    from qtvm.frontend.op_support import compile_time_names
+
     if any(i.type.tensor_type.elem_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for i in model.graph.input):
         return []
-    known = {t.name for t in model.graph.initializer}
-    known |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    known = compile_time_names(model)
     return [i for i, n in enumerate(model.graph.node) if n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear")
             and n.input and n.input[0] not in known]
 
@@ -423,18 +424,16 @@ def _jittered_quantizers(model):
     from qtvm.reference import JITTER_INPUT
 
     out = _copy(model)
-    scale = JITTER_INPUT + "qdq"
+    scale, one = JITTER_INPUT + "qdq", "qtvm_qdq_jitter/one"
     out.graph.input.append(helper.make_tensor_value_info(scale, TensorProto.FLOAT, []))
     targets = set(_activation_quantizers(out))
-    nodes = []
+    nodes = [helper.make_node("Constant", [], [one], value=helper.make_tensor("", TensorProto.FLOAT, [], [1.0]))]
     for i, node in enumerate(out.graph.node):
         if i in targets:
             x, tag = node.input[0], f"qtvm_qdq_jitter/{i}"
             nodes += [helper.make_node("RandomUniformLike", [x], [tag + "/u"], low=-1.0, high=1.0, seed=float(i + 1)),
                       helper.make_node("Mul", [tag + "/u", scale], [tag + "/ju"]),
-                      helper.make_node("Constant", [], [tag + "/one"], value=helper.make_tensor("", TensorProto.FLOAT,
-                                                                                                 [], [1.0])),
-                      helper.make_node("Add", [tag + "/one", tag + "/ju"], [tag + "/f"]),
+                      helper.make_node("Add", [one, tag + "/ju"], [tag + "/f"]),
                       helper.make_node("Mul", [x, tag + "/f"], [tag + "/x"])]
             node = onnx.NodeProto.FromString(node.SerializeToString())
             node.input[0] = tag + "/x"

@@ -347,13 +347,13 @@ _EXPORTER_NAMED = re.compile(r"^(s\d+|unk__\d+|.*_dim_?\d+)$")
 def _unrelated(imp, node, named, out) -> ImportFailure:
     width = len(out)
     bad = [i for i, d in enumerate(out) if d is None]
-    parts = []
+    parts, free = [], set()  # free: the symbols of the unrelated dims
     for name, dims in named:
         padded = [1] * (width - len(dims)) + list(dims)
         parts.append(f"'{name}' {imp.sym.dims_text(dims)} (axis {', '.join(str(i - width) for i in bad)}: "
                      f"{', '.join(imp.sym.text(padded[i]) for i in bad)})")
-    free = {v.name for _name, dims in named for i in bad for d in ([1] * (width - len(dims)) + list(dims))[i:i + 1]
-            if is_symbolic(d) for v in tirx.analysis.undefined_vars(imp.sym.expr(d))}
+        free |= {v.name for i in bad if is_symbolic(padded[i])
+                 for v in tirx.analysis.undefined_vars(imp.sym.expr(padded[i]))}
     invented = sorted(n for n in free if _EXPORTER_NAMED.match(n))
     example = f"--dim {invented[0] if invented else 'NAME'}=EXPR, e.g. 'past + seq'"
     return ImportFailure(

@@ -65,6 +65,12 @@ def _has_output(node: onnx.NodeProto, i: int) -> bool:
 _INDEX_DTYPES = (TensorProto.INT64, TensorProto.INT32)
 
 
+def compile_time_names(model: onnx.ModelProto) -> set[str]:
+    """Names of values known before the model runs: initializers and Constant nodes' outputs."""
+    return ({t.name for t in model.graph.initializer}
+            | {o for n in model.graph.node if n.op_type == "Constant" for o in n.output if o})
+
+
 def _value_types(model: onnx.ModelProto):
     """(what, value name, TypeProto) of every graph input, output and annotated value."""
     g = model.graph
@@ -82,8 +88,7 @@ def _dtype_problems(model: onnx.ModelProto) -> list[str]:
 
     # An empty integer vector known at compile time is a shape or an axes list (ConstantOfShape of a
     # scalar): the import folds it; onnxruntime's quantizers annotate it as a [0] value.
-    empty_ok = {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.output}
-    empty_ok |= {init.name for init in model.graph.initializer}
+    empty_ok = compile_time_names(model)
     for what, name, ty in _value_types(model):
         kind = ty.WhichOneof("value")
         if kind != "tensor_type":
