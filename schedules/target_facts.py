@@ -229,7 +229,10 @@ _TABLE: dict[str, _CpuSpec] = {
                                              "(2 runs), same outputs bit for bit; cache-hot within 3%; one run under "
                                              "heavy host contention, kernels alternating call by call: 1.05x / "
                                              "0.95x; slower elsewhere: int4-g128 two groups at once 0.90x, int4-g32 two "
-                                             "or four 0.87x / 0.80x",
+                                             "or four 0.87x / 0.80x. The fold's blocks as one loop (not each group's "
+                                             "two blocks unrolled into one body): 1.03-1.2x faster again for int4, "
+                                             "int3, e0m4 and int2 with groups of 64 (three shapes, medians of 3 "
+                                             "rounds); folding four groups so 0.7x, int4-g32 two 0.86x",
                            "prefill_prefetch": False,
                            "prefill_prefetch_source": "AMD EPYC Zen 4 VM (2 vCPUs): int8 prefill kernel without "
                                                       "software prefetch 1.14-1.21x faster at M = 64, 0.97-1.13x at "
