@@ -184,7 +184,7 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
     print(f"{harness.cpu_model()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
           f"{100 * harness.cpu_busy_fraction(1.0):.0f}%; weights of every kernel on {pages['weights_on']} "
           f"(THP mode {pages['thp_mode']})", flush=True)
-    probe = bandwidth.BandwidthProbe()
+    probe = bandwidth.BandwidthProbe(huge_pages=huge_pages)  # on the weights' pages
     bw = {}
     for t in threads:
         detail = probe.measure_detail(t, 5)

@@ -614,7 +614,9 @@ def benchmark_peers(
     peer_kwargs = dict(peer_kwargs or {})
     if probe_bytes is None:
         probe_bytes = max(2 * bandwidth.l3_cache_bytes(), 512 << 20)
-    probe = bandwidth.BandwidthProbe(probe_bytes)
+    from qtvm import hugepages
+
+    probe = bandwidth.BandwidthProbe(probe_bytes, huge_pages=hugepages.enabled())  # the weights' pages
     with harness.threads(threads):
         for K, N in shapes:
             K, N = int(K), int(N)

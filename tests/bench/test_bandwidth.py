@@ -69,3 +69,19 @@ def test_probe_reuses_buffer_and_reports_per_stream():
     assert all(math.isfinite(v) and v > 0 for v in detail.values())
     assert probe.measure(2, repeats=1, streams=2) > 0
     assert probe.buf.ctypes.data == ptr
+
+
+def test_probe_on_huge_pages_advises_its_whole_buffer(monkeypatch):
+    """The gemv bench puts its weights on huge pages; its probe's buffer must be asked onto them
+    too, or the bar the kernels are judged against is a 4 KiB-page reader's."""
+    from qtvm import hugepages
+
+    asked = []
+    monkeypatch.setenv(hugepages.ENV, "1")
+    monkeypatch.setattr(hugepages, "back_with_huge_pages", lambda ranges, collapse=True: asked.extend(ranges) or 1)
+    probe = bandwidth.BandwidthProbe(64 << 20, huge_pages=True)  # above glibc's mmap threshold: its own mapping
+    lo, hi = probe.buf.ctypes.data, probe.buf.ctypes.data + probe.nbytes
+    assert any(a <= lo and hi <= b for a, b in asked), (hex(lo), [(hex(a), hex(b)) for a, b in asked])
+    assert probe.huge_page_bytes == 1
+    asked.clear()
+    assert bandwidth.BandwidthProbe(64 << 20).huge_page_bytes == 0 and not asked
