@@ -189,7 +189,32 @@ def _clamp(imp, v, d):
     if not is_symbolic(v) and not is_symbolic(d):
         return max(min(v, d), 0)
     e = imp.sym.expr
+    if is_symbolic(v):  # a symbolic bound counts from the end where it is negative (x[-seq:])
+        if imp.sym.prove(tirx.LT(e(v), e(0))):
+            v = imp.sym.norm(e(d) + e(v))
+        elif not imp.sym.prove(tirx.GE(e(v), e(0))):
+            raise ImportFailure(f"a Slice bound {imp.sym.text(v)} may be negative (counted from the end) or not: "
+                                "its sign decides the slice and is not known at compile time")
     return imp.sym.norm(tirx.max(tirx.min(e(v), e(d)), e(0)))
+
+
+def _tail_length(imp, start, d: int):
+    """The symbol ``t`` where a slice from ``start`` to the end of a ``d``-row axis is its last
+    ``t`` rows: ``start`` = d - t (>= 0 given t <= d; torch.export writes it max(0, d - t),
+    the same then) or -t (< 0 given t >= 1), else None."""
+    if not is_symbolic(start):
+        return None
+    e = imp.sym.expr
+    start = e(start)
+    if isinstance(start, tirx.Max) and any(isinstance(x, tirx.IntImm) and x.value == 0 for x in (start.a, start.b)):
+        start = start.b if isinstance(start.a, tirx.IntImm) and start.a.value == 0 else start.a
+    from_end = imp.sym.norm(e(d) - start)
+    if isinstance(from_end, tirx.Var):
+        return from_end
+    negated = imp.sym.norm(-start)
+    if isinstance(negated, tirx.Var) and imp.sym.prove(tirx.GE(negated, e(1))):
+        return negated
+    return None
 
 
 @converter("Slice")
@@ -212,7 +237,11 @@ def slice_(imp, node, attrs):
     out = list(dims)
     begins, stops, table_axes = [], [], []
     for a, s, t, k in zip(axes, starts, ends, steps):
-        b, f = _clamp(imp, s, dims[a]), _clamp(imp, t, dims[a])
+        f = _clamp(imp, t, dims[a])
+        try:
+            b = _clamp(imp, s, dims[a])
+        except ImportFailure:
+            b = None  # a start of unknown sign: only the table's-tail rule below can take it
         if isinstance(t, tirx.Var) and isinstance(dims[a], int) and b == 0 and k == 1:
             # x[:seq] of a fixed-size table (position ids, token types): the model only
             # works for seq <= the table's length. Assume it (the metadata carries the
@@ -220,18 +249,33 @@ def slice_(imp, node, attrs):
             # with clipped indices so that a caller bypassing the runtime stays in bounds.
             if not imp.sym.prove(tirx.LE(t, e(dims[a]))):
                 imp.sym.limit(t, dims[a])
-            table_axes.append((a, t))
+            table_axes.append((a, (0, t)))
             out[a] = t
             continue
-        out[a] = imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
+        length = None if b is None else imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
+        tail = (_tail_length(imp, s, dims[a]) if (b is None or is_symbolic(length)) and k == 1
+                and isinstance(dims[a], int) and f == dims[a] and imp.sym.minimum >= 1 else None)
+        if tail is None and b is None:
+            _clamp(imp, s, dims[a])  # raises its error
+        if tail is not None:
+            # x[-seq:] / x[D - seq:] of a fixed-size table of D rows (MPT's ALiBi bias): the
+            # same assumption, seq <= D, makes the length seq; the rows read are D - seq .. D - 1.
+            # Only in the import with every dim >= 1 (``import_model``): there a length such as
+            # min(seq, 1) is already 1, which needs no limit
+            if not imp.sym.prove(tirx.LE(tail, e(dims[a]))):
+                imp.sym.limit(tail, dims[a])
+            table_axes.append((a, (e(dims[a]) - tail, e(dims[a]))))
+            out[a] = tail
+            continue
+        out[a] = length
         begins.append((a, e(b), e(f), e(k)))
     value = imp.expr(node.input[0])
     if begins:
         value = imp.emit(relax.op.strided_slice(value, [a for a, *_ in begins], [b for _, b, _, _ in begins],
                                                 [f for _, _, f, _ in begins], [k for *_, k in begins],
                                                 assume_inbound=True))
-    for a, t in table_axes:
-        index = imp.emit(relax.op.arange(e(0), e(t), e(1), "int64"))
+    for a, (lo, hi) in table_axes:
+        index = imp.emit(relax.op.arange(e(lo), e(hi), e(1), "int64"))
         value = imp.emit(relax.op.take(value, index, axis=a, mode="clip"))
     return imp.ensure_shape(value, out)
 

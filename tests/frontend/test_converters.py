@@ -177,6 +177,60 @@ def test_slice_of_a_position_table_records_its_limit(tmp_path):
     assert isinstance(module, runtime.Module)
 
 
+def _tail_start(form):
+    """The start of x[-seq:] of an 80-column table the way exporters write it: 80 - seq
+    (MPT's legacy export), max(0, 80 - seq) (torch.export's sym_max), -seq."""
+    nodes = _seq_of() + [_const("d", [80]), _const("z", [0])]
+    if form == "d-seq":
+        return nodes + [helper.make_node("Sub", ["d", "s"], ["start"])]
+    if form == "max":
+        return nodes + [helper.make_node("Sub", ["d", "s"], ["ds"]), helper.make_node("Max", ["z", "ds"], ["start"])]
+    return nodes + [helper.make_node("Neg", ["s"], ["start"])]
+
+
+@pytest.mark.parametrize("form", ["d-seq", "max", "neg"])
+def test_slice_of_a_table_s_last_seq_columns_records_its_limit(tmp_path, form):
+    """bias[:, -seq:] of a [1, 80] table (MPT's ALiBi) added to a [batch, seq] tensor: its
+    length is min(seq, 80), which is seq where the model works at all, so the import takes
+    seq <= 80 (recorded, refused beyond at run time) and reads the right columns."""
+    table = numpy_helper.from_array(np.linspace(-3, 3, 80, dtype=np.float32).reshape(1, 80), "table")
+    nodes = _tail_start(form) + [
+        _const("big", [INT64_MAX]), _const("one", [1]),
+        helper.make_node("Slice", ["table", "start", "big", "one"], ["bias"]),
+        helper.make_node("Add", ["x", "bias"], ["y"]),
+    ]
+    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
+    assert result.metadata["dim_limits"] == {"seq": 80}
+    _check(module, session, _floats)
+    with pytest.raises(QtvmError, match="this model takes seq <= 80"):
+        module.run(_floats(81))
+
+
+def test_slice_of_a_one_column_table_from_max_0_1_minus_seq_needs_no_limit(tmp_path):
+    """bias[:, max(0, 1 - seq):] of a [1, 1] table (MPT's torch.export, the query axis): its
+    length min(seq, 1) is 1 for every seq >= 1; it broadcasts, and seq stays unlimited."""
+    table = numpy_helper.from_array(np.array([[0.5]], np.float32), "table")
+    nodes = _seq_of() + [
+        _const("one_s", [1]), _const("z", [0]), _const("big", [INT64_MAX]), _const("one", [1]),
+        helper.make_node("Sub", ["one_s", "s"], ["ds"]), helper.make_node("Max", ["z", "ds"], ["start"]),
+        helper.make_node("Slice", ["table", "start", "big", "one"], ["bias"]),
+        helper.make_node("Add", ["x", "bias"], ["y"]),
+    ]
+    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
+    assert result.metadata["dim_limits"] == {}
+    _check(module, session, _floats)
+
+
+def test_slice_from_a_bound_of_unknown_sign_is_refused(tmp_path):
+    """x[:, seq - 4:]: for seq < 4 the start is negative and counts from the end (onnxruntime),
+    which a clamp to 0 would not do; the sign is not known when compiling, so it is refused."""
+    nodes = _seq_of() + [_const("four", [4]), _const("big", [INT64_MAX]), _const("one", [1]),
+                         helper.make_node("Sub", ["s", "four"], ["start"]),
+                         helper.make_node("Slice", ["x", "start", "big", "one"], ["y"])]
+    with pytest.raises(QtvmError, match="seq - 4 may be negative"):
+        _compile(tmp_path, _model(nodes, [_x()], [_x("y", ("batch", "k"))]))
+
+
 def test_gather_indices_negative_and_out_of_range(tmp_path):
     """GatherND/GatherElements/Gather: negative indices as ONNX says; out-of-range ones
     (which onnxruntime refuses) read a clipped element instead of stray memory."""
