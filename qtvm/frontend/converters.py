@@ -160,7 +160,17 @@ def range_(imp, node, attrs):
     span = e(limit) - e(start) if delta > 0 else e(start) - e(limit)
     step = abs(delta)
     count = imp.sym.norm(tirx.max(tirx.floordiv(span + (step - 1), e(step)), e(0)))
-    value = imp.emit(relax.op.arange(e(start), e(limit), e(delta), str(ks[0].dtype)))
+    dtype = str(ks[0].dtype)
+    if not is_symbolic(start):
+        value = imp.emit(relax.op.arange(e(start), e(limit), e(delta), dtype))
+        return imp.ensure_shape(value, [count])
+    # start + delta * arange(count): an arange from a symbolic start (positions past ..
+    # past + seq) fused with its consumers made FuseTIR define the symbol twice (TVM 0.27;
+    # XGLM with a KV cache); the start comes in as a tensor instead (``values_tensor``)
+    value = imp.emit(relax.op.arange(e(0), e(count), e(1), dtype))
+    if delta != 1:
+        value = imp.emit(relax.op.multiply(value, relax.const(delta, dtype)))
+    value = imp.emit(relax.op.add(value, imp.values_tensor([start], dtype)))
     return imp.ensure_shape(value, [count])
 
 

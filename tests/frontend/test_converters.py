@@ -77,6 +77,33 @@ def test_range_of_a_computed_length_is_seq(tmp_path):
     _check(module, session, _floats)
 
 
+def test_range_from_a_symbolic_start_fused_with_its_consumers(tmp_path):
+    """XGLM with a KV cache: positions Range(past, past + seq) + 2 read rows of a sinusoid
+    table; the arange from ``past``, fused with its consumers, made TVM's FuseTIR define
+    ``past`` twice (an internal error). Ranges of step -1 and 2 from symbolic starts too."""
+    table = numpy_helper.from_array(np.sin(np.arange(300, dtype=np.float32) / 7).reshape(300, 1), "table")
+    nodes = _seq_of() + _seq_of("p", "q") + [
+        _const("zero_axes", [0]), _const("one", 1), _const("m1", -1), _const("two", 2), _const("z", 0),
+        helper.make_node("Squeeze", ["s", "zero_axes"], ["s0"]), helper.make_node("Squeeze", ["q", "zero_axes"], ["q0"]),
+        helper.make_node("Add", ["q0", "s0"], ["end"]),
+        helper.make_node("Range", ["q0", "end", "one"], ["pos"]),
+        helper.make_node("Unsqueeze", ["pos", "zero_axes"], ["pos2"]),
+        helper.make_node("Add", ["pos2", "two"], ["pos3"]),
+        helper.make_node("Gather", ["table", "pos3"], ["rows"], axis=0),  # [1, seq, 1]
+        _const("last", [2]), helper.make_node("Squeeze", ["rows", "last"], ["emb"]),
+        helper.make_node("Range", ["s0", "z", "m1"], ["down"]),  # seq, seq - 1, .., 1
+        helper.make_node("Mul", ["s0", "two"], ["s2"]), helper.make_node("Add", ["q0", "s2"], ["end2"]),
+        helper.make_node("Range", ["q0", "end2", "two"], ["even"]),  # past, past + 2, ..: seq of them
+        helper.make_node("Add", ["down", "even"], ["b"]),
+        helper.make_node("Cast", ["b"], ["bf"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["x", "bf"], ["xb"]), helper.make_node("Add", ["xb", "emb"], ["y"]),
+    ]
+    model = _model(nodes, [_x(), _x("p", ("batch", "past"))], [_x("y", ("batch", "seq"))], [table])
+    module, _, session = _compile(tmp_path, model)
+    feeds = lambda seq: {**_floats(seq), "p": np.zeros((2, seq % 5), np.float32)}  # noqa: E731 (past 0 too)
+    _check(module, session, feeds)
+
+
 def test_reshape_chain_and_minus_one(tmp_path):
     """Shape -> Gather -> Unsqueeze -> Concat -> Reshape into heads and back with -1 and 0."""
     nodes = [

@@ -108,11 +108,12 @@ def test_kv_cache_export_past_zero_and_more(hf_model, hf_compiled, exporter):
     _compare(result, hf_model("llama", exporter, kv=True), "none", [(1, 1, 0), (2, 4, 0), (1, 1, 5), (2, 3, 9)])
 
 
-@pytest.mark.parametrize("family,exporter", [("falcon", "legacy"), ("opt", "dynamo")])
+@pytest.mark.parametrize("family,exporter", [("falcon", "legacy"), ("opt", "dynamo"), ("xglm", "legacy")])
 def test_more_families_with_a_kv_cache(hf_model, tmp_path, family, exporter):
     """Falcon's multi-query cache; OPT from torch.export, whose mask length (named by the
     exporter, e.g. s53) its positions need related to past + seq: refused with the --dim to
-    pass, then compiled with it and compared at past 0 and > 0."""
+    pass, then compiled with it and compared at past 0 and > 0; XGLM (positions from past,
+    which once stopped TVM's FuseTIR)."""
     from qtvm.errors import QtvmError
 
     path = hf_model(family, exporter, kv=True)

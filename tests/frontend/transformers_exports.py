@@ -27,7 +27,7 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert")
 #: cumulative sum of the mask, partial rotary, multi-query attention, relative position buckets,
 #: disentangled attention)
 MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta", "t5_encoder", "deberta_v2", "mpt")
-DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt")
+DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm")
 EXPORTERS = ("legacy", "dynamo")
 #: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
 #: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
@@ -73,6 +73,9 @@ def build(family: str):
                                               num_heads=4))
     elif family == "deberta_v2":
         model = tf.DebertaV2Model(tf.DebertaV2Config(**small))
+    elif family == "xglm":  # sinusoidal positions computed at run time from past .. past + seq
+        model = tf.XGLMForCausalLM(tf.XGLMConfig(vocab_size=VOCAB, d_model=64, num_layers=2, attention_heads=4,
+                                                 ffn_dim=96, max_position_embeddings=256))
     elif family == "mpt":  # ALiBi: the last seq columns of a [heads, 1, 256] bias table
         model = tf.MptForCausalLM(tf.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=256))
     elif family == "minilm":
