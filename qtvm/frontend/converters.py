@@ -249,9 +249,9 @@ def slice_(imp, node, attrs):
     for a, s, t, k in zip(axes, starts, ends, steps):
         f = _clamp(imp, t, dims[a])
         try:
-            b = _clamp(imp, s, dims[a])
-        except ImportFailure:
-            b = None  # a start of unknown sign: only the table's-tail rule below can take it
+            b, unknown_sign = _clamp(imp, s, dims[a]), None
+        except ImportFailure as err:  # a start of unknown sign: only the table's-tail rule below takes it
+            b, unknown_sign = None, err
         if isinstance(t, tirx.Var) and isinstance(dims[a], int) and b == 0 and k == 1:
             # x[:seq] of a fixed-size table (position ids, token types): the model only
             # works for seq <= the table's length. Assume it (the metadata carries the
@@ -265,8 +265,8 @@ def slice_(imp, node, attrs):
         length = None if b is None else imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
         tail = (_tail_length(imp, s, dims[a]) if (b is None or is_symbolic(length)) and k == 1
                 and isinstance(dims[a], int) and f == dims[a] and imp.sym.minimum >= 1 else None)
-        if tail is None and b is None:
-            _clamp(imp, s, dims[a])  # raises its error
+        if tail is None and unknown_sign is not None:
+            raise unknown_sign
         if tail is not None:
             # x[-seq:] / x[D - seq:] of a fixed-size table of D rows (MPT's ALiBi bias): the
             # same assumption, seq <= D, makes the length seq; the rows read are D - seq .. D - 1.
