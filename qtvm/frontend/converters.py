@@ -161,17 +161,22 @@ def range_(imp, node, attrs):
     step = abs(delta)
     count = imp.sym.norm(tirx.max(tirx.floordiv(span + (step - 1), e(step)), e(0)))
     dtype = str(ks[0].dtype)
-    if not is_symbolic(start):
+    if is_symbolic(start):
+        value = _arange_from(imp, start, count, delta, dtype)
+    else:
         value = imp.emit(relax.op.arange(e(start), e(limit), e(delta), dtype))
-        return imp.ensure_shape(value, [count])
-    # start + delta * arange(count): an arange from a symbolic start (positions past ..
-    # past + seq) fused with its consumers made FuseTIR define the symbol twice (TVM 0.27;
-    # XGLM with a KV cache); the start comes in as a tensor instead (``values_tensor``)
+    return imp.ensure_shape(value, [count])
+
+
+def _arange_from(imp, start, count, delta: int, dtype: str) -> relax.Expr:
+    """start + delta * arange(count) for a symbolic ``start``, the start a tensor
+    (``values_tensor``): an arange from a symbolic start (positions past .. past + seq), fused
+    with its consumers, made FuseTIR define the symbol twice (TVM 0.27; XGLM with a KV cache)."""
+    e = imp.sym.expr
     value = imp.emit(relax.op.arange(e(0), e(count), e(1), dtype))
     if delta != 1:
         value = imp.emit(relax.op.multiply(value, relax.const(delta, dtype)))
-    value = imp.emit(relax.op.add(value, imp.values_tensor([start], dtype)))
-    return imp.ensure_shape(value, [count])
+    return imp.emit(relax.op.add(value, imp.values_tensor([start], dtype)))
 
 
 def _range_from_values(imp, node):
@@ -259,7 +264,7 @@ def slice_(imp, node, attrs):
             # with clipped indices so that a caller bypassing the runtime stays in bounds.
             if not imp.sym.prove(tirx.LE(t, e(dims[a]))):
                 imp.sym.limit(t, dims[a])
-            table_axes.append((a, (0, t)))
+            table_axes.append((a, 0, t))
             out[a] = t
             continue
         length = None if b is None else imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
@@ -274,7 +279,7 @@ def slice_(imp, node, attrs):
             # min(seq, 1) is already 1, which needs no limit
             if not imp.sym.prove(tirx.LE(tail, e(dims[a]))):
                 imp.sym.limit(tail, dims[a])
-            table_axes.append((a, (e(dims[a]) - tail, e(dims[a]))))
+            table_axes.append((a, imp.sym.norm(e(dims[a]) - tail), tail))
             out[a] = tail
             continue
         out[a] = length
@@ -284,8 +289,9 @@ def slice_(imp, node, attrs):
         value = imp.emit(relax.op.strided_slice(value, [a for a, *_ in begins], [b for _, b, _, _ in begins],
                                                 [f for _, _, f, _ in begins], [k for *_, k in begins],
                                                 assume_inbound=True))
-    for a, (lo, hi) in table_axes:
-        index = imp.emit(relax.op.arange(e(lo), e(hi), e(1), "int64"))
+    for a, first, count in table_axes:  # rows first .. first + count - 1
+        index = (_arange_from(imp, first, count, 1, "int64") if is_symbolic(first)
+                 else imp.emit(relax.op.arange(e(first), e(imp.sym.norm(e(first) + e(count))), e(1), "int64")))
         value = imp.emit(relax.op.take(value, index, axis=a, mode="clip"))
     return imp.ensure_shape(value, out)
 
