@@ -196,12 +196,19 @@ def test_slice_of_a_position_table_records_its_limit(tmp_path):
         helper.make_node("Slice", ["x", "zero", "big", "one"], ["whole"]),
         helper.make_node("Add", ["whole", "f"], ["y"]),
     ]
-    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
-    assert result.metadata["dim_limits"] == {"seq": 80}
-    _check(module, session, _floats)
-    with pytest.raises(QtvmError, match="this model takes seq <= 80"):
-        module.run(_floats(81))
+    module = _check_with_seq_limit(tmp_path, nodes, table, 80)
     assert isinstance(module, runtime.Module)
+
+
+def _check_with_seq_limit(tmp_path, nodes, table, limit: int):
+    """x [batch, seq] -> y through ``nodes`` reading ``table``: compiled with the limit seq <=
+    ``limit`` recorded, equal to onnxruntime at SEQS, refused past the limit at run time."""
+    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
+    assert result.metadata["dim_limits"] == {"seq": limit}
+    _check(module, session, _floats)
+    with pytest.raises(QtvmError, match=f"this model takes seq <= {limit}"):
+        module.run(_floats(limit + 1))
+    return module
 
 
 def _tail_start(form):
@@ -226,11 +233,7 @@ def test_slice_of_a_table_s_last_seq_columns_records_its_limit(tmp_path, form):
         helper.make_node("Slice", ["table", "start", "big", "one"], ["bias"]),
         helper.make_node("Add", ["x", "bias"], ["y"]),
     ]
-    module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
-    assert result.metadata["dim_limits"] == {"seq": 80}
-    _check(module, session, _floats)
-    with pytest.raises(QtvmError, match="this model takes seq <= 80"):
-        module.run(_floats(81))
+    _check_with_seq_limit(tmp_path, nodes, table, 80)
 
 
 def test_slice_of_a_one_column_table_from_max_0_1_minus_seq_needs_no_limit(tmp_path):
