@@ -351,8 +351,9 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         raise QtvmError(f"the artefact takes inputs {[i['name'] for i in module.inputs]} but the model "
                         f"takes {model_inputs}", "pass the model the artefact was compiled from")
     ref_model, reference, default_tol = _dequantized_reference(model, meta)
-    if default_tol == FP32_TOLERANCE and _activation_quantizers(ref_model):
-        ref_model = _jittered_quantizers(ref_model)
+    quantizers = _activation_quantizers(ref_model) if default_tol == FP32_TOLERANCE else []
+    if quantizers:
+        ref_model = _jittered_quantizers(ref_model, quantizers)
         reference, default_tol = reference + QDQ_NOTE, None
     float_sess, ref_sess = _session(model), _session(ref_model)
     from qtvm.reference import JITTER_INPUT
@@ -414,10 +415,11 @@ def _activation_quantizers(model) -> list[int]:
             and n.input and n.input[0] not in known]
 
 
-def _jittered_quantizers(model):
-    """A copy whose activation quantizers read x * (1 + J * u), u a fixed uniform(-1, 1) noise per
-    node and J the scalar input ``JITTER_INPUT + "qdq"`` (fed 0: exactly the model), so the check
-    measures how far this model's rounding steps move its outputs (its flip noise)."""
+def _jittered_quantizers(model, targets: list[int]):
+    """A copy whose activation quantizers (``targets``: node indices, ``_activation_quantizers``)
+    read x * (1 + J * u), u a fixed uniform(-1, 1) noise per node and J the scalar input
+    ``JITTER_INPUT + "qdq"`` (fed 0: exactly the model), so the check measures how far this
+    model's rounding steps move its outputs (its flip noise)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -426,7 +428,7 @@ def _jittered_quantizers(model):
     out = _copy(model)
     scale, one = JITTER_INPUT + "qdq", "qtvm_qdq_jitter/one"
     out.graph.input.append(helper.make_tensor_value_info(scale, TensorProto.FLOAT, []))
-    targets = set(_activation_quantizers(out))
+    targets = set(targets)
     nodes = [helper.make_node("Constant", [], [one], value=helper.make_tensor("", TensorProto.FLOAT, [], [1.0]))]
     for i, node in enumerate(out.graph.node):
         if i in targets:

@@ -320,13 +320,13 @@ def test_models_that_round_their_own_activations_measure_the_flip_noise(tmp_path
     the tolerance is measured, and an artefact of other weights still fails."""
     import onnxruntime as ort
 
-    from qtvm.check import _jittered_quantizers
+    from qtvm.check import _activation_quantizers, _jittered_quantizers
     from qtvm.reference import JITTER_INPUT
 
     a, b, art = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "a.so"
     onnx.save(_qdq_model(0), str(a))
     onnx.save(_qdq_model(1), str(b))
-    jittered = _jittered_quantizers(_qdq_model(0))
+    jittered = _jittered_quantizers(_qdq_model(0), _activation_quantizers(_qdq_model(0)))
     x = {"x": np.random.default_rng(2).standard_normal((2, 5, 64)).astype(np.float32)}
     plain = ort.InferenceSession(str(a), providers=["CPUExecutionProvider"]).run(None, x)[0]
     session = ort.InferenceSession(jittered.SerializeToString(), providers=["CPUExecutionProvider"])
