@@ -3,7 +3,7 @@
 x's per-group int8 rounding and the int8 tables at the root (as the int16-table kernel's
 rounding and tables), then the int16-table kernel's loop nest (``schedules.x86_lut._lookups``):
 parallel over column blocks, per group, block and plane one TensorIntrin per 16 columns
-(``qtvm.intrin.x86_bcq``: 4 ``vpermb`` lookups and 4 ``vpdpbusd``) adds into the plane's
+(``qtvm.intrin.x86_bcq``: 4 ``vpermb`` lookups, 2 byte adds and 2 ``vpdpbusd``) adds into the plane's
 int32 partials, kept in registers; the group's alphas, bias and x scale fold them into the
 output accumulator.
 """

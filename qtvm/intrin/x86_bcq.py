@@ -5,10 +5,13 @@
 (xl, xh) x 4 quads x 16 entries), add to each column's int32 its signed sum sum_k xq_k s_k
 over the block. Indices: the low nibbles of the words' bytes with the byte position in bits
 4-5 (``(w & 0x0F0F0F0F) | 0x30201000``, LLVM's ``vpternlogd``), and the same of ``w >> 4``
-for the high nibbles; ``vpermb`` reads only bits 0-5 of an index. Per half, the xl table's
-bytes are dotted with u8 ones and the xh table's with u8 sixteens (``vpdpbusd``), in two
-chains. Each call prefetches the bit stream a distance ahead (one 64-byte line per call), as
-the int16-table lookup does.
+for the high nibbles; ``vpermb`` reads only bits 0-5 of an index. The two halves' looked-up
+bytes are added first (``vpaddb``: xl entries in [-60, 60] sum to [-120, 120], xh entries in
+[-32, 32] to [-64, 64], both exact in int8), then dotted into the columns' int32s, the xl sum
+with u8 ones and the xh sum with u8 sixteens (``vpdpbusd``): 2 dots per step instead of 4 dots,
+a zeroed second chain and its add (on Zen 4, 39 -> 42 GB/s cache-hot at 4096 x 4096 bcq3, the
+same from DRAM). Each call prefetches the bit stream a distance ahead (one 64-byte line per
+call), as the int16-table lookup does.
 """
 from __future__ import annotations
 
@@ -68,16 +71,19 @@ def _make(prefetch: int):
     A, W, C = skeleton.params
     words = W.vload([0], f"int32x{COLS}")
     scale = {0: T.broadcast(T.int8(1), 64), 1: T.broadcast(T.int8(16), 64)}  # u8 ones / sixteens
-    chains = [C.vload([0], f"int32x{COLS}"), T.broadcast(T.int32(0), COLS)]
+    looked_up = {0: [], 1: []}  # part -> the two halves' entries
     for h in range(HALVES):
         nibbles = words if h == 0 else T.shift_right(words, _const(4))
         idx = T.reinterpret(T.bitwise_or(T.bitwise_and(nibbles, _const(0x0F0F0F0F)), _const(0x30201000)),
                             dtype="int8x64")
         for part in range(PARTS):
-            entries = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.qi.512"),
-                                              A.vload([h, part, 0, 0], "int8x64"), idx, dtype="int8x64")
-            chains[part] = _vpdpbusd(COLS, chains[part], scale[part], entries)
-    store = tirx.BufferStore(C, chains[0] + chains[1], [tirx.Ramp(tirx.const(0, "int32"), 1, COLS)])
+            looked_up[part].append(T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.qi.512"),
+                A.vload([h, part, 0, 0], "int8x64"), idx, dtype="int8x64"))
+    acc = C.vload([0], f"int32x{COLS}")
+    for part in range(PARTS):
+        acc = _vpdpbusd(COLS, acc, scale[part], looked_up[part][0] + looked_up[part][1])
+    store = tirx.BufferStore(C, acc, [tirx.Ramp(tirx.const(0, "int32"), 1, COLS)])
     body = tirx.SeqStmt([_prefetch_line(W[prefetch]), store]) if prefetch else store
     return desc, _with_block_body(skeleton, body)
 
