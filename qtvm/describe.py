@@ -108,9 +108,10 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     if symbols:
         limits = meta.get("dim_limits") or {}
         zero = set(meta.get("may_be_zero") or [])
+        sums = [f"{d} <= {top}" for d, top in limits.items() if d not in symbols]  # past + seq <= 256
         rows.append(("symbolic dims", ", ".join(
-            f"{d} {'0' if d in zero else '1'}..{limits[d]}" if d in limits else f"{d}{' >= 0' if d in zero else ''}"
-            for d in symbols) + (" (any size at run time)" if not limits else "")))
+            [f"{d} {'0' if d in zero else '1'}..{limits[d]}" if d in limits else f"{d}{' >= 0' if d in zero else ''}"
+             for d in symbols] + sums) + (" (any size at run time)" if not limits else "")))
     if "quantized_matmuls" in meta:
         packed, floats = meta.get("packed_bytes", 0), meta.get("float_weight_bytes", 0)
         bits = 32.0 * packed / floats if floats else float("nan")

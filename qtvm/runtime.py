@@ -138,10 +138,18 @@ class Module:
                         raise QtvmError(f"dimension '{dim}' is {first[0]} in input '{first[1]}' but {size} in "
                                         f"input '{name}'", "inputs that share a dimension name must agree")
             arrays.append(a if a.flags.c_contiguous else a.copy(order="C"))  # keeps 0-d arrays 0-d
+        sizes = {k: v[0] for k, v in bound.items()}
         for name, axis, size, dim in composite:
-            want = dimexpr.evaluate(dim, {k: v[0] for k, v in bound.items()})
+            want = dimexpr.evaluate(dim, sizes)
             if want is not None and want != size:
                 raise QtvmError(f"input '{name}' has size {size} on axis {axis}, expected {dim} = {want}")
+        for dim, top in limits.items():  # limits on expressions (``past + seq`` <= a mask table's length)
+            value = dimexpr.evaluate(dim, sizes) if dimexpr.parse(dim) is not None else None
+            if value is not None and value > top:
+                names = " and ".join(f"{k} = {v}" for k, v in sizes.items() if k in dimexpr.symbols(dim))
+                raise QtvmError(f"the inputs have {dim} = {value} ({names}), but this model takes {dim} <= {top} "
+                                f"(the length of its position tables)",
+                                f"keep {dim} at most {top} (shorten the prompt or the cache)")
         return arrays
 
     def _use_device(self):

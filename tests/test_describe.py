@@ -106,3 +106,11 @@ def test_inspect_bad_files(tmp_path, case):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert ("does not exist" if case == "missing" else "not a qtvm artefact") in proc.stderr
     assert "qtvm compile" in proc.stderr  # the fix is named
+
+
+def test_symbolic_dims_show_a_limit_on_a_sum():
+    """A limit on past + seq (a causal-mask table's length) where no input is sized past + seq."""
+    meta = {"inputs": [{"name": "x", "dtype": "int64", "shape": ["batch", "seq"]},
+                       {"name": "k", "dtype": "float32", "shape": ["batch", 4, "past", 16]}],
+            "outputs": [], "dim_limits": {"past + seq": 256}, "may_be_zero": ["past"]}
+    assert "symbolic dims: batch, past >= 0, seq, past + seq <= 256\n" in summary(meta)

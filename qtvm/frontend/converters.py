@@ -213,23 +213,55 @@ def _clamp(imp, v, d):
     return imp.sym.norm(tirx.max(tirx.min(e(v), e(d)), e(0)))
 
 
+def _symbol_sum(x) -> list | None:
+    """The symbols of ``x`` when it is one symbol or a sum of symbols (``seq``, ``past + seq``:
+    the lengths an exporter slices position tables to), else None."""
+    if isinstance(x, tirx.Var):
+        return [x.name]
+    if isinstance(x, tirx.Add):
+        a, b = _symbol_sum(x.a), _symbol_sum(x.b)
+        return None if a is None or b is None else a + b
+    return None
+
+
 def _tail_length(imp, start, d: int):
-    """The symbol ``t`` where a slice from ``start`` to the end of a ``d``-row axis is its last
-    ``t`` rows: ``start`` = d - t (>= 0 given t <= d; torch.export writes it max(0, d - t),
-    the same then) or -t (< 0 given t >= 1), else None."""
+    """The count ``t`` (a symbol or a sum of symbols, ``past + seq``: ``_symbol_sum``) where a
+    slice from ``start`` to the end of a ``d``-row axis is its last ``t`` rows: ``start`` = d - t
+    (>= 0 given t <= d) or -t (< 0 given t >= 1), else None. torch.export writes d - t as
+    max(0, d - t), the same given t <= d, but read so only in the import with every dim >= 1:
+    with dims >= 0, max(0, 1 - seq) on a 1-row table is length min(seq, 1), which seq >= 1
+    makes 1 with no limit."""
     if not is_symbolic(start):
         return None
     e = imp.sym.expr
     start = e(start)
-    if isinstance(start, tirx.Max) and any(isinstance(x, tirx.IntImm) and x.value == 0 for x in (start.a, start.b)):
+    if imp.sym.minimum >= 1 and isinstance(start, tirx.Max) and any(isinstance(x, tirx.IntImm) and x.value == 0 for x in (start.a, start.b)):
         start = start.b if isinstance(start.a, tirx.IntImm) and start.a.value == 0 else start.a
     from_end = imp.sym.norm(e(d) - start)
-    if isinstance(from_end, tirx.Var):
+    if _symbol_sum(from_end) is not None:
         return from_end
     negated = imp.sym.norm(-start)
-    if isinstance(negated, tirx.Var) and imp.sym.prove(tirx.GE(negated, e(1))):
+    if _symbol_sum(negated) is not None and imp.sym.prove(tirx.GE(negated, e(1))):
         return negated
     return None
+
+
+def _table_window(imp, start, end, d, step):
+    """(first row, count) of ``x[start:end]`` on a fixed-size table axis of ``d`` rows (position
+    ids, a causal-mask table) whose end is a sum of symbols, ``seq`` or ``past + seq``, and whose
+    start is 0 or a sum of some of those symbols (``past``): rows start .. end - 1, assuming
+    end <= d (recorded as a limit unless provable: the metadata carries it, the runtime enforces
+    it). Else None: other slices keep ONNX's clamping."""
+    if step != 1 or not isinstance(d, int) or not is_symbolic(end):
+        return None
+    ends = _symbol_sum(imp.sym.norm(end))
+    starts = [] if isinstance(start, int) and _clamp(imp, start, d) == 0 else _symbol_sum(imp.sym.norm(start))
+    if ends is None or starts is None or any(ends.count(v) < starts.count(v) for v in starts):
+        return None
+    first = 0 if not starts else imp.sym.norm(start)
+    if not imp.sym.prove(tirx.LE(imp.sym.expr(end), imp.sym.expr(d))):
+        imp.sym.limit(end, d)
+    return first, imp.sym.norm(imp.sym.expr(end) - imp.sym.expr(first))
 
 
 @converter("Slice")
@@ -252,31 +284,25 @@ def slice_(imp, node, attrs):
     out = list(dims)
     begins, stops, table_axes = [], [], []
     for a, s, t, k in zip(axes, starts, ends, steps):
+        window = _table_window(imp, s, t, dims[a], k)
+        if window is not None:  # x[:seq], x[past:past + seq] of a table
+            table_axes.append((a, *window))
+            out[a] = window[1]
+            continue
         f = _clamp(imp, t, dims[a])
         try:
             b, unknown_sign = _clamp(imp, s, dims[a]), None
         except ImportFailure as err:  # a start of unknown sign: only the table's-tail rule below takes it
             b, unknown_sign = None, err
-        if isinstance(t, tirx.Var) and isinstance(dims[a], int) and b == 0 and k == 1:
-            # x[:seq] of a fixed-size table (position ids, token types): the model only
-            # works for seq <= the table's length. Assume it (the metadata carries the
-            # limit, the runtime enforces it), so the length is seq, and read the rows
-            # with clipped indices so that a caller bypassing the runtime stays in bounds.
-            if not imp.sym.prove(tirx.LE(t, e(dims[a]))):
-                imp.sym.limit(t, dims[a])
-            table_axes.append((a, 0, t))
-            out[a] = t
-            continue
         length = None if b is None else imp.sym.norm(tirx.max(tirx.floordiv(e(f) - e(b) + (k - 1), e(k)), e(0)))
         tail = (_tail_length(imp, s, dims[a]) if (b is None or is_symbolic(length)) and k == 1
-                and isinstance(dims[a], int) and f == dims[a] and imp.sym.minimum >= 1 else None)
+                and isinstance(dims[a], int) and f == dims[a] else None)
         if tail is None and unknown_sign is not None:
             raise unknown_sign
         if tail is not None:
-            # x[-seq:] / x[D - seq:] of a fixed-size table of D rows (MPT's ALiBi bias): the
-            # same assumption, seq <= D, makes the length seq; the rows read are D - seq .. D - 1.
-            # Only in the import with every dim >= 1 (``import_model``): there a length such as
-            # min(seq, 1) is already 1, which needs no limit
+            # x[-seq:] / x[D - seq:] of a fixed-size table of D rows (MPT's ALiBi bias, with a
+            # cache x[D - past - seq:]): the same assumption, seq <= D, makes the length seq; the
+            # rows read are D - seq .. D - 1
             if not imp.sym.prove(tirx.LE(tail, e(dims[a]))):
                 imp.sym.limit(tail, dims[a])
             table_axes.append((a, imp.sym.norm(e(dims[a]) - tail), tail))

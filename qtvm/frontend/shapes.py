@@ -43,15 +43,33 @@ class Symbols:
         self.minimum = minimum
         self.pins = dict(pins or {})  # dim names read as constants (``importer.PinDims``)
         self.vars: dict[str, tirx.Var] = {}
-        self.limits: dict[str, int] = {}  # symbol -> largest value the model accepts
+        self.limits: dict[str, int] = {}  # symbol or dim expression -> largest value the model accepts
+        self._constraints: list = []  # entered analyzer constraint scopes (``limit`` of an expression)
         self.analyzer = Analyzer()
 
-    def limit(self, var: tirx.Var, bound: int) -> None:
-        """Assume ``var <= bound`` from here on (a model's position table length); the
-        artefact's metadata carries it so the runtime refuses larger inputs."""
-        current = self.limits.get(var.name, bound)
-        self.limits[var.name] = min(current, bound)
-        self.analyzer.update(var, ConstIntBound(self.minimum, self.limits[var.name]), override=True)
+    def limit(self, dim, bound: int) -> None:
+        """Assume ``dim <= bound`` from here on (a model's position table length): ``dim`` a
+        symbol or an expression of symbols (``past + seq``, the keys a causal-mask table is
+        sliced to). The artefact's metadata carries it, keyed by its dim text, so the runtime
+        refuses larger inputs. For an expression the analyzer is given the constraint itself
+        (it then simplifies ``min(past + seq, 256)``) and each symbol's bound that follows from
+        the others' minimums (``past <= 255`` with ``seq >= 1``)."""
+        dim = self.norm(dim)
+        key = self.text(dim)
+        self.limits[key] = min(self.limits.get(key, bound), bound)
+        if isinstance(dim, tirx.Var):
+            self.analyzer.update(dim, ConstIntBound(self.minimum, self.limits[key]), override=True)
+            return
+        self._constraints.append(self.analyzer.constraint_scope(tirx.LE(dim, self.expr(bound))))
+        self._constraints[-1].__enter__()  # for the rest of the import
+        for v in _vars_of(dim):
+            rest = self.norm(dim - v)
+            if any(u.same_as(v) for u in _vars_of(rest)):  # not v + (terms without v)
+                continue
+            low = self.analyzer.const_int_bound(self.expr(rest)).min_value
+            if low > ConstIntBound.NEG_INF:
+                now = self.analyzer.const_int_bound(v)
+                self.analyzer.update(v, ConstIntBound(now.min_value, min(now.max_value, bound - low)), override=True)
 
     def var(self, name: str) -> tirx.Var:
         if name not in self.vars:
@@ -122,6 +140,11 @@ class Symbols:
             else:
                 out.append(None)
         return out
+
+
+def _vars_of(e) -> list:
+    """The symbols in expression ``e``, each once."""
+    return list({v.name: v for v in tirx.analysis.undefined_vars(e)}.values()) if is_symbolic(e) else []
 
 
 def dim_text(e) -> str:

@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from qtvm.describe import summary
 from qtvm.errors import QtvmError
 from qtvm.pipeline import compile_model  # the compiler's TVM first (qtvm.runtime alone loads the runtime library)
 
@@ -249,6 +250,54 @@ def test_slice_of_a_one_column_table_from_max_0_1_minus_seq_needs_no_limit(tmp_p
     module, result, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")], [table]))
     assert result.metadata["dim_limits"] == {}
     _check(module, session, _floats)
+
+
+def _causal_table_with_a_cache(form):
+    """Scores s [batch, seq, past + seq] masked by a [40, 40] lower-triangular table sliced the
+    way a cached causal mask is: GPT-Neo's rows past .. past + seq - 1, columns :past + seq
+    ("window"), or MPT's last past + seq columns of a [1, 40] bias ("tail": start 40 - past - seq)."""
+    d = 40
+    nodes = _seq_of("p", "q") + _seq_of("x", "n") + [
+        helper.make_node("Add", ["q", "n"], ["total"]), _const("zero", [0]), _const("one", [1]),
+        _const("ax", [0]), _const("ax1", [1]), _const("d", [d]), _const("big", [INT64_MAX])]
+    if form == "window":
+        table = numpy_helper.from_array(np.tril(np.ones((d, d), np.float32)) * 5, "table")
+        nodes += [helper.make_node("Slice", ["table", "q", "total", "ax"], ["rows"]),
+                  helper.make_node("Slice", ["rows", "zero", "total", "ax1"], ["mask"])]  # [seq, past + seq]
+    else:
+        table = numpy_helper.from_array(np.linspace(-2, 2, d, dtype=np.float32).reshape(1, d), "table")
+        nodes += [helper.make_node("Sub", ["d", "total"], ["start"]),
+                  helper.make_node("Slice", ["table", "start", "big", "ax1"], ["mask"])]  # [1, past + seq]
+    nodes.append(helper.make_node("Add", ["s", "mask"], ["y"]))
+    scores = _x("s", ("batch", "seq", "past + seq"))
+    model = _model(nodes, [_x(), _x("p", ("batch", "past")), scores], [_x("y", ("batch", "seq", "past + seq"))],
+                   [table])
+    return model, d
+
+
+@pytest.mark.parametrize("form", ["window", "tail"])
+def test_slice_of_a_table_to_past_plus_seq_records_a_limit_on_the_sum(tmp_path, form):
+    """A causal-mask or ALiBi table sliced to the cache's total length past + seq: its length is
+    past + seq where the model works at all, so the import takes past + seq <= the table's length
+    (a limit on the sum, recorded and refused beyond at run time, not on each symbol), reads the
+    right rows at past 0 and > 0 (onnxruntime), and past may still be 0."""
+    model, d = _causal_table_with_a_cache(form)
+    module, result, session = _compile(tmp_path, model)
+    assert result.metadata["dim_limits"] == {"past + seq": d}
+    assert result.metadata["may_be_zero"] == ["past"]
+    assert f"batch, past >= 0, past + seq 1..{d}, seq" in summary(result.metadata)  # qtvm inspect
+    rng = np.random.default_rng(0)
+
+    def feeds(past, seq, batch=2):
+        return {"x": rng.standard_normal((batch, seq)).astype(np.float32),
+                "p": np.zeros((batch, past), np.float32),
+                "s": rng.standard_normal((batch, seq, past + seq)).astype(np.float32)}
+
+    for past, seq in ((0, 1), (0, 7), (5, 1), (9, 4), (d - 3, 3), (0, d)):
+        f = feeds(past, seq)
+        np.testing.assert_allclose(module.run(f)["y"], session.run(None, f)[0], rtol=1e-6, err_msg=f"{past}, {seq}")
+    with pytest.raises(QtvmError, match=f"past \\+ seq = {d + 1} .*this model takes past \\+ seq <= {d}"):
+        module.run(feeds(d - 2, 3))
 
 
 def test_slice_from_a_bound_of_unknown_sign_is_refused(tmp_path):

@@ -27,7 +27,7 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert")
 #: cumulative sum of the mask, partial rotary, multi-query attention, relative position buckets,
 #: disentangled attention)
 MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta", "t5_encoder", "deberta_v2", "mpt")
-DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm")
+DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm", "gpt_neo")
 EXPORTERS = ("legacy", "dynamo")
 #: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
 #: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
@@ -78,6 +78,10 @@ def build(family: str):
                                                  ffn_dim=96, max_position_embeddings=256))
     elif family == "mpt":  # ALiBi: the last seq columns of a [heads, 1, 256] bias table
         model = tf.MptForCausalLM(tf.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=256))
+    elif family == "gpt_neo":  # causal masks sliced from a [256, 256] table; a local (window 8) layer
+        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                                                     attention_types=[[["global", "local"], 1]], window_size=8,
+                                                     max_position_embeddings=256))
     elif family == "minilm":
         from qtvm.models.minilm import package_model_dir
 
