@@ -161,7 +161,10 @@ class ConcatSession:
 
     def __init__(self, module, batch: int = 1, max_length: int | None = None):
         self.module, self.batch, self.length = module, batch, 0
-        self.max_length = max_length or 1 << 30
+        # default: the model's position limits (a causal-mask table's past + seq <= 256), as
+        # the in-place step's --max-length defaults to (``pipeline._kv_step``)
+        limits = module.metadata.get("dim_limits") or {}
+        self.max_length = max_length or min(limits.values(), default=1 << 30)
         ins = module.inputs
         self._ids = next(s["name"] for s in ins if s["shape"] == ["batch", "seq"] or s["name"] == "input_ids")
         self._mask = next((s["name"] for s in ins if s["name"] != self._ids and len(s["shape"]) == 2), None)
@@ -212,8 +215,12 @@ def generate(module, input_ids, max_new_tokens: int, attention_mask=None, eos_to
     s = session_obj or session(module, ids.shape[0])
     need = s.length + ids.shape[1] + max_new_tokens - 1
     if need > s.max_length:
+        limits = module.metadata.get("dim_limits") or {}
+        model_limit = min(limits.values(), default=None)
         raise QtvmError(f"generation past the maximum length: {ids.shape[1]} prompt tokens + {max_new_tokens} new "
                         f"need a cache of {need} > {s.max_length}",
+                        f"generate fewer tokens (the model's position tables hold {model_limit})"
+                        if model_limit is not None and s.max_length >= model_limit else
                         "generate fewer tokens, or recompile with a larger --max-length")
     logits = s.feed(ids, attention_mask)
     out = [ids]

@@ -138,3 +138,23 @@ def test_cli_generate(hf_compiled, tmp_path):
     assert "past the maximum length: 2040 prompt tokens + 20 new need a cache of 2059 > 2048" in proc.stderr
     proc = cli("--prompt", "1,x")
     assert proc.returncode == 2 and "is not comma-separated token ids" in proc.stderr
+
+
+def test_fallback_stops_at_the_models_position_limit(hf_model, hf_compiled):
+    """GPT-Neo with a cache (its causal masks sliced from a [256, 256] table: past + seq <=
+    256, no in-place step): the fallback session's maximum length is that limit, so a
+    generation past it is refused before any work, naming the tables, not a --max-length the
+    model could not use; within it, onnxruntime's tokens."""
+    from qtvm import runtime
+
+    result = hf_compiled("gpt_neo", "legacy", "none", kv=True)
+    assert result.metadata["dim_limits"] == {"past + seq": 256}
+    module = runtime.load(result.path)
+    s = module.session()
+    assert s.mode == "presents fed back (main)" and s.max_length == 256
+    prompt = np.array([[3, 141, 59, 26]], np.int64)
+    with pytest.raises(QtvmError, match="4 prompt tokens \\+ 254 new need a cache of 257 > 256; generate fewer "
+                                        "tokens \\(the model's position tables hold 256\\)"):
+        module.generate(prompt, 254)
+    np.testing.assert_array_equal(module.generate(prompt, 12),
+                                  ort_greedy(onnx.load(str(hf_model("gpt_neo", "legacy", kv=True))), prompt, 12))
