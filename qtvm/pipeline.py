@@ -172,7 +172,22 @@ def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
         names = [i["name"] for i in meta["inputs"]]
         info = {**info, "caches": [names[i] for i in info["caches"]], "mask": names[info["mask"]],
                 "ids": names[info["ids"]]}
+        _check_max_length(meta, info, max_length)
     return mod, info, note
+
+
+def _check_max_length(meta: dict, info: dict, max_length: int) -> None:
+    """A cache longer than the model's position tables allow (a limit on past + seq: MPT's
+    ALiBi bias, GPT-Neo's causal masks) would read clipped rows past them: refused."""
+    from qtvm import dims as dimexpr
+
+    cache = next(i for i in meta["inputs"] if i["name"] == info["caches"][0])
+    past = cache["shape"][2]
+    tables = {d: top for d, top in meta["dim_limits"].items() if past in dimexpr.symbols(d) or d == past}
+    if tables and max_length > min(tables.values()):
+        d, top = min(tables.items(), key=lambda kv: kv[1])
+        raise QtvmError(f"--max-length {max_length} is past what this model's position tables hold ({d} <= {top})",
+                        f"use --max-length {top} or less (the default)")
 
 
 def _check_kv_step(path, meta: dict) -> str | None:

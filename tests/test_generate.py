@@ -158,3 +158,16 @@ def test_fallback_stops_at_the_models_position_limit(hf_model, hf_compiled):
         module.generate(prompt, 254)
     np.testing.assert_array_equal(module.generate(prompt, 12),
                                   ort_greedy(onnx.load(str(hf_model("gpt_neo", "legacy", kv=True))), prompt, 12))
+
+
+def test_max_length_past_the_models_position_tables_is_refused(hf_model, tmp_path):
+    """MPT's ALiBi bias holds past + seq <= 256: an in-place cache of 512 would read its clipped
+    last column for every position past 256 (tokens, no error), so --max-length 512 is refused
+    with the limit named, and nothing is written; the default is the limit."""
+    path = hf_model("mpt", "legacy", kv=True)
+    with pytest.raises(QtvmError, match="--max-length 512 is past what this model's position tables hold "
+                                        "\\(past \\+ seq <= 256\\); use --max-length 256 or less"):
+        compile_model(path, tmp_path / "long.so", "host", "none", max_batch=1, max_length=512)
+    assert list(tmp_path.iterdir()) == []
+    result = compile_model(path, tmp_path / "m.so", "host", "none", max_batch=1)
+    assert result.metadata["kv_step"]["max_length"] == 256
