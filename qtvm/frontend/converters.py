@@ -165,6 +165,8 @@ def range_(imp, node, attrs):
         value = _arange_from(imp, start, count, delta, dtype)
     else:
         value = imp.emit(relax.op.arange(e(start), e(limit), e(delta), dtype))
+    if delta > 0 and imp.sym.prove(tirx.GE(e(start), e(0))):  # positions past .. past + seq - 1
+        imp.index_tops[node.output[0]] = imp.sym.norm(e(start) + delta * (e(count) - 1) + 1)
     return imp.ensure_shape(value, [count])
 
 
@@ -337,7 +339,23 @@ def gather(imp, node, attrs):
         indices = relax.const(idx, "int64")
     else:
         indices = imp.expr(node.input[1])
+        _limit_by_table(imp, node.input[1], dims[axis])
     return relax.op.take(imp.expr(node.input[0]), indices, axis=axis)
+
+
+def _limit_by_table(imp, indices: str, rows) -> None:
+    """Positions Range(past, past + seq) (+ an offset) gathered from a fixed-size table
+    (GPT-2's learned positions, XGLM's sinusoids): the model only works while they index it,
+    past + seq + offset <= rows, so that limit is recorded as a Slice of a table records
+    one (only for a sum of symbols plus a constant; the runtime enforces it)."""
+    top = imp.index_tops.get(indices)
+    if top is None or not isinstance(rows, int) or imp.sym.prove(tirx.LE(top, imp.sym.expr(rows))):
+        return
+    length, offset = top, 0
+    if isinstance(top, tirx.Add) and isinstance(top.b, tirx.IntImm):
+        length, offset = top.a, int(top.b.value)
+    if _symbol_sum(length) is not None and rows - offset >= 1:
+        imp.sym.limit(length, rows - offset)
 
 
 def _safe_indices(imp, indices: relax.Expr, extents: relax.Expr) -> relax.Expr:

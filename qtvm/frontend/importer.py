@@ -87,6 +87,9 @@ class Importer(ONNXGraphImporter):
         self.sym = Symbols(minimum=1 if positive else 0, pins=self.pins)
         self.folder = Folder(self.sym)
         self.known: dict[str, Known] = {}
+        # tensor -> exclusive upper bound of its values, all >= 0 (positions Range(past, past + seq):
+        # past + seq), carried through ops that only move or widen values (``_carry_index_top``)
+        self.index_tops: dict[str, tirx.PrimExpr] = {}
         self._value_funcs: dict[tuple, tvm.ir.GlobalVar] = {}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
@@ -262,6 +265,7 @@ class Importer(ONNXGraphImporter):
             if result is None:
                 result = self.tvm_convert(node, attrs)
             self._bind(node, result)
+            self._carry_index_top(node, attrs)
         except (QtvmError, PinDims):
             raise
         except ImportFailure as e:
@@ -274,6 +278,29 @@ class Importer(ONNXGraphImporter):
             raise QtvmError(f"cannot import {_where(node)} (inputs: "
                             f"{', '.join(self.describe(n) for n in node.input)}): {detail.strip()[:300]}",
                             _FIX) from None
+
+    def _carry_index_top(self, node: onnx.NodeProto, attrs: dict) -> None:
+        """An index tensor's bound through ops that keep its values (Unsqueeze, Reshape, Expand,
+        an integer Cast) or add one known non-negative offset (XGLM's 2; GPT-2's legacy export
+        adds past to Range(0, seq))."""
+        top = self.index_tops.get(node.input[0]) if node.input else None
+        if node.op_type == "Add" and len(node.input) == 2:
+            for i in (0, 1):
+                k = self.known_input(node, 1 - i)
+                if node.input[i] not in self.index_tops or k is None or k.dtype.kind not in "iu":
+                    continue
+                values = [self.sym.norm(v) for v in k.ints()]
+                if len(set(map(str, values))) == 1 and self.sym.prove(tirx.GE(self.sym.expr(values[0]), self.sym.expr(0))):
+                    # one offset, constant or a dim (GPT-2's legacy export: Range(0, seq) + past)
+                    self.index_tops[node.output[0]] = self.sym.norm(
+                        self.sym.expr(self.index_tops[node.input[i]]) + self.sym.expr(values[0]))
+            return
+        if top is None:
+            return
+        moves = ("Unsqueeze", "Squeeze", "Reshape", "Expand", "Identity", "Flatten")
+        widening_cast = node.op_type == "Cast" and attrs.get("to") in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+        if node.op_type in moves or widening_cast:
+            self.index_tops[node.output[0]] = top
 
     def _bind(self, node: onnx.NodeProto, result) -> None:
         if isinstance(result, relax.Expr) and not isinstance(result, relax.Tuple):

@@ -56,6 +56,9 @@ class Symbols:
         the others' minimums (``past <= 255`` with ``seq >= 1``)."""
         dim = self.norm(dim)
         key = self.text(dim)
+        terms = key.split(" + ")
+        if len(terms) > 1 and all(t.isidentifier() for t in terms):  # a sum of symbols: one order
+            key = " + ".join(sorted(terms))
         self.limits[key] = min(self.limits.get(key, bound), bound)
         if isinstance(dim, tirx.Var):
             self.analyzer.update(dim, ConstIntBound(self.minimum, self.limits[key]), override=True)

@@ -300,6 +300,43 @@ def test_slice_of_a_table_to_past_plus_seq_records_a_limit_on_the_sum(tmp_path, 
         module.run(feeds(d - 2, 3))
 
 
+@pytest.mark.parametrize("form", ["range_from_past", "range_plus_past"])
+def test_positions_gathered_from_a_table_record_a_limit_on_the_sum(tmp_path, form):
+    """Learned positions with a cache: Range(past, past + seq) (torch.export's GPT-2, XGLM) or
+    Range(0, seq) + past (GPT-2's legacy export), plus an offset of 2 (XGLM, OPT), unsqueezed and
+    gathered from a [40, 1] table: the model works while past + seq + 2 <= 40, so past + seq <= 38
+    is recorded (the gather wraps or clips out-of-range positions silently), the rows match
+    onnxruntime, and longer inputs are refused at run time. (past sizes no output here, so it is
+    >= 1, as in any model without a cache output.)"""
+    d = 40
+    table = numpy_helper.from_array(np.linspace(-1, 1, d, dtype=np.float32).reshape(d, 1), "table")
+    nodes = _seq_of() + _seq_of("p", "q") + [
+        _const("zero_axes", [0]), _const("z", 0), _const("one", 1), _const("two", 2),
+        helper.make_node("Squeeze", ["s", "zero_axes"], ["s0"]), helper.make_node("Squeeze", ["q", "zero_axes"], ["q0"])]
+    if form == "range_from_past":
+        nodes += [helper.make_node("Add", ["q0", "s0"], ["end"]), helper.make_node("Range", ["q0", "end", "one"], ["pos"])]
+    else:
+        nodes += [helper.make_node("Range", ["z", "s0", "one"], ["r"]), helper.make_node("Add", ["r", "q0"], ["pos"])]
+    nodes += [helper.make_node("Add", ["pos", "two"], ["pos2"]),
+              helper.make_node("Unsqueeze", ["pos2", "zero_axes"], ["ids"]),  # [1, seq]
+              helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0),  # [1, seq, 1]
+              _const("last", [2]), helper.make_node("Squeeze", ["rows", "last"], ["emb"]),
+              helper.make_node("Add", ["x", "emb"], ["y"])]
+    model = _model(nodes, [_x(), _x("p", ("batch", "past"))], [_x("y", ("batch", "seq"))], [table])
+    module, result, session = _compile(tmp_path, model)
+    assert result.metadata["dim_limits"] == {"past + seq": d - 2}
+    rng = np.random.default_rng(0)
+
+    def feeds(past, seq):
+        return {"x": rng.standard_normal((2, seq)).astype(np.float32), "p": np.zeros((2, past), np.float32)}
+
+    for past, seq in ((1, 1), (1, 9), (5, 1), (30, 8), (1, d - 3)):
+        f = feeds(past, seq)
+        np.testing.assert_allclose(module.run(f)["y"], session.run(None, f)[0], rtol=1e-6, err_msg=f"{past}, {seq}")
+    with pytest.raises(QtvmError, match=f"past \\+ seq = {d - 1} .*this model takes past \\+ seq <= {d - 2}"):
+        module.run(feeds(30, 9))
+
+
 def test_slice_from_a_bound_of_unknown_sign_is_refused(tmp_path):
     """x[:, seq - 4:]: for seq < 4 the start is negative and counts from the end (onnxruntime),
     which a clamp to 0 would not do; the sign is not known when compiling, so it is refused."""

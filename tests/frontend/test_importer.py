@@ -114,8 +114,10 @@ def test_more_families_with_a_kv_cache(hf_model, tmp_path, family, exporter):
     """Falcon's multi-query cache; OPT from torch.export, whose mask length (named by the
     exporter, e.g. s53) its positions need related to past + seq: refused with the --dim to
     pass, then compiled with it and compared at past 0 and > 0; XGLM (positions from past,
-    which once stopped TVM's FuseTIR); GPT-Neo (causal masks: rows past .. past + seq of a
-    [256, 256] table) and MPT (ALiBi: its last past + seq columns), which take past + seq <= 256."""
+    which once stopped TVM's FuseTIR; gathered from a table of 256 + 2, so past + seq <= 256);
+    GPT-Neo (causal masks: rows past .. past + seq of a [256, 256] table) and MPT (ALiBi: its last
+    past + seq columns), which take past + seq <= 256 too. Falcon's rotary and OPT's positions
+    (a cumulative sum of the mask) have no table to outgrow."""
     from qtvm.errors import QtvmError
 
     path = hf_model(family, exporter, kv=True)
@@ -127,7 +129,7 @@ def test_more_families_with_a_kv_cache(hf_model, tmp_path, family, exporter):
         assert not (tmp_path / "no.so").exists()
     result = compile_model(path, tmp_path / "m.so", "host", "none", max_batch=2, dims=dims)
     assert result.metadata["inputs"][1]["shape"] == ["batch", "past + seq"]
-    assert result.metadata["dim_limits"] == ({"past + seq": 256} if family in ("gpt_neo", "mpt") else {})
+    assert result.metadata["dim_limits"] == ({} if family in ("falcon", "opt") else {"past + seq": 256})
     _compare(result, path, "none", [(1, 1, 0), (2, 4, 0), (1, 1, 5), (2, 3, 9)])
 
 
