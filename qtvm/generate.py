@@ -41,6 +41,21 @@ def _move_rows(flat: np.ndarray, rows: int, old: int, new: int) -> None:
     dst[:, old:] = 0
 
 
+def positions_from_mask(mask: np.ndarray, n: int) -> np.ndarray:
+    """Position ids of the last ``n`` columns of ``mask`` ([batch, total]), as transformers'
+    generate computes them for a model that takes ``position_ids``: the count of real tokens
+    before each one (a left-padded row starts at 0), padding at 1."""
+    positions = np.cumsum(mask, axis=1, dtype=np.int64) - 1
+    positions[mask == 0] = 1
+    return np.ascontiguousarray(positions[:, -n:])
+
+
+def _position_input(inputs: list, ids: str) -> str | None:
+    """The name of a ``position_ids``-like input ([batch, seq] integers besides the token ids)."""
+    return next((s["name"] for s in inputs if s["name"] != ids and "position" in s["name"]
+                 and len(s["shape"]) == 2 and s["dtype"].startswith("int")), None)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -64,9 +79,9 @@ class KVSession:
         self.batch = batch
         specs = {s["name"]: s for s in module.inputs}
         self._order = [s["name"] for s in module.inputs]
-        self._ids_name = info["ids"]
+        self._ids_name, self._positions_name = info["ids"], info.get("positions")
         self._step = module._vm[info["function"]]
-        self._shape = tvm_ffi.Shape
+        self._shape, self._tensor = tvm_ffi.Shape, tvm.runtime.tensor
         # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
         self._rows = {}
         self._buffers, self._flat = {}, {}
@@ -147,7 +162,10 @@ class KVSession:
             staged = self._ids[n] = _aligned((self.batch, n), np.int64)
         staged[0][...] = ids
         views = self._views
-        args = [staged[1] if name == self._ids_name else views[name] for name in self._order]
+        fed = {self._ids_name: staged[1]}
+        if self._positions_name is not None:
+            fed[self._positions_name] = self._tensor(positions_from_mask(m[:, :total], n))
+        args = [fed[name] if name in fed else views[name] for name in self._order]
         logits = self._step(*args, self._shape((self.length, layout // self.pad)))
         self.length = total
         return np.from_dlpack(logits)  # the VM's own fresh output: a view, no copy
@@ -166,8 +184,11 @@ class ConcatSession:
         limits = module.metadata.get("dim_limits") or {}
         self.max_length = max_length or min(limits.values(), default=1 << 30)
         ins = module.inputs
-        self._ids = next(s["name"] for s in ins if s["shape"] == ["batch", "seq"] or s["name"] == "input_ids")
-        self._mask = next((s["name"] for s in ins if s["name"] != self._ids and len(s["shape"]) == 2), None)
+        self._ids = next(s["name"] for s in ins if s["name"] == "input_ids" or s["shape"] == ["batch", "seq"]
+                         and "position" not in s["name"])
+        self._positions = _position_input(ins, self._ids)
+        self._mask = next((s["name"] for s in ins if s["name"] not in (self._ids, self._positions)
+                           and len(s["shape"]) == 2), None)
         self._caches = [s for s in ins if len(s["shape"]) == 4]
         outs = [s["name"] for s in module.outputs]
         self._logits, self._presents = outs[0], outs[1:]
@@ -186,7 +207,10 @@ class ConcatSession:
                             f"{n} more would make {self.length + n} > {self.max_length}")
         new = np.ones((self.batch, n), np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
         mask = np.concatenate([self._mask_values, new], axis=1)
-        out = self.module.run({self._ids: ids, self._mask: mask, **self._state})
+        feeds = {self._ids: ids, self._mask: mask, **self._state}
+        if self._positions is not None:
+            feeds[self._positions] = positions_from_mask(mask, n)
+        out = self.module.run(feeds)
         self._state = {c["name"]: out[p] for c, p in zip(self._caches, self._presents)}
         self._mask_values, self.length = mask, self.length + n
         return out[self._logits]

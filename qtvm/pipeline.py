@@ -171,7 +171,8 @@ def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
     if info is not None:
         names = [i["name"] for i in meta["inputs"]]
         info = {**info, "caches": [names[i] for i in info["caches"]], "mask": names[info["mask"]],
-                "ids": names[info["ids"]]}
+                "ids": names[info["ids"]],
+                "positions": None if info["positions"] is None else names[info["positions"]]}
         _check_max_length(meta, info, max_length)
     return mod, info, note
 

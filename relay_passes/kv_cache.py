@@ -16,7 +16,9 @@ function, ``qtvm_kv_step``, built from ``main`` after the weight passes:
   change once every 64 tokens) and passes a mask that is zero on the padding, so padded
   keys get probability exactly 0 (the causal mask, built from key positions up to
   ``kv_length``, excludes them too). ``past`` alone (the position of the first new token:
-  RoPE, position ids) stays the true past length; both come in a shape input;
+  RoPE, position ids) stays the true past length; both come in a shape input. An export
+  that takes ``position_ids`` (optimum's layout) keeps it as an input of the step, which
+  the caller fills as transformers' generate does (``qtvm.generate.positions_from_mask``);
 * the exported attention (``repeat_kv``: each KV head repeated for its query heads, keys
   transposed, ``q @ k^T``, ``p @ v``) becomes matmuls of q and p grouped per KV head against
   the cache itself, keys stored transposed (``_attention``): no per-token copy of the cache;
@@ -378,8 +380,12 @@ class _Builder:
         if mask is None:
             raise Decline("no attention-mask input of length past + seq")
         rest = [p for p in main.params if not any(p.same_as(c) for c in caches + [mask])]
-        if len(rest) != 1 or len(_shape(rest[0].ty) or []) != 2 or not str(rest[0].ty.dtype).startswith("int"):
-            raise Decline(f"inputs besides the caches and the mask are {[p.name for p in rest]}, not token ids alone")
+        positions = [p for p in rest if "position" in p.name] if len(rest) == 2 else []
+        rest = [p for p in rest if not positions or not p.same_as(positions[0])]
+        if len(rest) != 1 or any(len(_shape(p.ty) or []) != 2 or not str(p.ty.dtype).startswith("int")
+                                 for p in rest + positions[:1]):
+            raise Decline(f"inputs besides the caches and the mask are {[p.name for p in rest + positions]}, not "
+                          "token ids (and position ids) alone")
         ids = rest[0]
         for name, v in self.symbols.items():
             if not v.same_as(self.past) and not any(v.same_as(old) for old, _ in self.tir_map):
@@ -423,7 +429,8 @@ class _Builder:
         info = {"function": STEP_FUNC, "caches": [index[c.name] for c in caches], "mask": index[mask.name],
                 "layouts": [BHDL if c in transposed else BHLD for c in caches],
                 "fused_attention": sum(1 for plan in self.plans.values()),
-                "ids": index[ids.name], "axis": axis, "pad": PAD, "max_length": self.max_length,
+                "ids": index[ids.name], "positions": index[positions[0].name] if positions else None,
+                "axis": axis, "pad": PAD, "max_length": self.max_length,
                 "max_batch": self.max_batch, "batch": batch[0].name if batch else None, "seq": self.seq.name}
         return mod, info
 

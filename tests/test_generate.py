@@ -9,7 +9,8 @@ import onnxruntime as ort
 import pytest
 
 from qtvm.errors import QtvmError
-from qtvm.pipeline import compile_model  # noqa: F401  (the compiler's TVM first)
+from qtvm.pipeline import compile_model  # the compiler's TVM first
+from tests.frontend.transformers_exports import export_with_position_ids
 
 
 def ort_greedy(model: onnx.ModelProto, prompt: np.ndarray, new: int, mask: np.ndarray | None = None) -> np.ndarray:
@@ -171,3 +172,54 @@ def test_max_length_past_the_models_position_tables_is_refused(hf_model, tmp_pat
     assert list(tmp_path.iterdir()) == []
     result = compile_model(path, tmp_path / "m.so", "host", "none", max_batch=1)
     assert result.metadata["kv_step"]["max_length"] == 256
+
+
+def test_position_ids_input_as_optimum_exports_it(hf_dir, tmp_path):
+    """optimum's layout (input_ids, attention_mask, position_ids, caches): the in-place step
+    keeps position_ids as an input and the sessions fill it as transformers' generate does
+    (a left-padded row's first token at position 0): a left-padded prompt of 2 and two more
+    tokens give onnxruntime's logits with those positions, with the step and with the fallback
+    (the tiny model's greedy tokens do not move with its positions; its logits do)."""
+    from qtvm import runtime
+    from qtvm.generate import ConcatSession
+
+    path = export_with_position_ids("llama", hf_dir)
+    result = compile_model(path, tmp_path / "m.so", "host", "none", max_batch=2)
+    assert result.metadata["kv_step"]["positions"] == "position_ids"
+    module = runtime.load(result.path)
+    prompt = np.array([[7, 7, 9, 1, 250, 3], [0, 0, 42, 17, 99, 5]], np.int64)
+    mask = np.array([[1] * 6, [0, 0, 1, 1, 1, 1]], np.int64)
+    feeds = [(prompt, mask), (np.array([[11], [12]]), np.ones((2, 1), np.int64)),
+             (np.array([[13], [14]]), np.ones((2, 1), np.int64))]
+    want = _ort_logits(path, feeds, transformers_positions=True)
+    wrong = _ort_logits(path, feeds, transformers_positions=False)
+    scale = max(float(np.abs(w).max()) for w in want)
+    for session in (module.session(2), ConcatSession(module, 2)):
+        for (ids, m), w in zip(feeds, want):
+            assert np.abs(session.feed(ids, m) - w).max() < 1e-4 * scale, session.mode
+    # positions restarted at 0: 0.6% of the largest logit on the tiny model, 60x the tolerance
+    assert max(np.abs(b - w).max() for b, w in zip(wrong, want)) > 1e-3 * scale
+
+
+def _ort_logits(path, feeds, transformers_positions: bool) -> list:
+    """onnxruntime's logits of each feed (ids, mask of the new tokens) in turn, the presents fed
+    back, position_ids as transformers' generate makes them or restarted at 0 on every call."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    caches = [i for i in sess.get_inputs() if i.name.startswith("past_key_values")]
+    state = {i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32) for i in caches}
+    full, out = np.zeros((2, 0), np.int64), []
+    for ids, m in feeds:
+        full = np.concatenate([full, m], axis=1)
+        if transformers_positions:
+            positions = full.cumsum(-1) - 1
+            positions[full == 0] = 1
+            positions = positions[:, -ids.shape[1]:]
+        else:
+            positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
+        logits, *presents = sess.run(None, {"input_ids": ids.astype(np.int64), "attention_mask": full,
+                                            "position_ids": positions, **state})
+        state = {i.name: p for i, p in zip(caches, presents)}
+        out.append(logits)
+    return out

@@ -187,6 +187,53 @@ def cached_export(directory: str | os.PathLike, family: str, exporter: str, kv: 
     return path if path.exists() else export(family, exporter, path, kv, mask)
 
 
+def export_with_position_ids(family: str, directory: str | os.PathLike) -> pathlib.Path:
+    """A KV export in optimum's text-generation-with-past layout: input_ids, attention_mask,
+    position_ids, past_key_values.* (the legacy exporter), made once in ``directory``."""
+    import torch
+    import transformers as tf
+
+    path = pathlib.Path(directory) / f"hf_{family}_positions_kv_{tf.__version__}_{torch.__version__}.onnx"
+    if path.exists():
+        return path
+    model = build(family)
+    layers, heads, dim = kv_shape(model)
+
+    class WithPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = tf.DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(layers)])
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+            return (out.logits, *[t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)])
+
+    batch, seq, past = 2, 3, 4
+    args = [torch.randint(0, VOCAB, (batch, seq)), torch.ones(batch, past + seq, dtype=torch.long),
+            torch.arange(past, past + seq).expand(batch, seq)] + [torch.randn(batch, heads, past, dim)
+                                                                  for _ in range(2 * layers)]
+    caches = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    presents = [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "past + seq"},
+            "position_ids": {0: "batch", 1: "seq"}, **{n: {0: "batch", 2: "past"} for n in caches},
+            **{n: {0: "batch", 2: "past + seq"} for n in presents}}
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(WithPositions().eval(), tuple(args), tmp, dynamo=False, opset_version=17,
+                              input_names=["input_ids", "attention_mask", "position_ids", *caches],
+                              output_names=["logits", *presents], dynamic_axes=axes)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def feeds(inputs: list[dict], batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
     """Inputs for a compiled model's input specs (qtvm.runtime metadata): token ids,
     an attention mask whose second row is left-padded (two masked positions, when
