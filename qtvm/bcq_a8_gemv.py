@@ -12,12 +12,12 @@ fit int8, so one ``vpermb`` (64 byte entries: 4 quads' tables) looks up 64 nibbl
 columns x 4 quads; the two nibble halves' lookups of a part add bytewise (lo sums in
 [-120, 120], hi in [-64, 64]: still int8) and one ``vpdpbusd`` with u8 ones (lo) or sixteens
 (hi) adds each column's 4 summed bytes into its int32 lane: sum_{k} xq_k s_k = sum lo + 16 sum
-hi, exact. Byte q of
-a column's stored word holds quads 2q (low nibble) and 2q + 1 (high nibble), so the format's
-own bits are read as stored (no relayout): the low nibbles index the tables of quads 0, 2, 4,
-6 (``(w & 0x0F0F0F0F) | 0x30201000``, one ``vpternlogd``, puts quad position q in bits 4-5)
-and the shifted high nibbles those of quads 1, 3, 5, 7. Per block, plane and 16 columns: 4
-lookups, 2 byte adds, 2 dots, 3 index ops (the int16 tables: 4 ``vpermw``, 4 index ops, 3 shifts, 4 adds).
+hi, exact. Byte q of a column's stored word holds quads 2q (low nibble) and 2q + 1 (high
+nibble), so the format's own bits are read as stored (no relayout): the low nibbles index the
+tables of quads 0, 2, 4, 6 (``(w & 0x0F0F0F0F) | 0x30201000``, one ``vpternlogd``, puts quad
+position q in bits 4-5) and the shifted high nibbles those of quads 1, 3, 5, 7. Per block,
+plane and 16 columns: 4 lookups, 2 byte adds, 2 dots, 3 index ops (the int16 tables: 4
+``vpermw``, 4 index ops, 3 shifts, 4 adds).
 Then per group, in fp32:
 
     y[i, n] += amax[i, g] / 127 * (sum_t alpha[g, t, n] D_t + bias[g, n] S),   S = sum_{k in g} xq_k

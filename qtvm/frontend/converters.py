@@ -237,8 +237,10 @@ def _tail_length(imp, start, d: int):
         return None
     e = imp.sym.expr
     start = e(start)
-    if imp.sym.minimum >= 1 and isinstance(start, tirx.Max) and any(isinstance(x, tirx.IntImm) and x.value == 0 for x in (start.a, start.b)):
-        start = start.b if isinstance(start.a, tirx.IntImm) and start.a.value == 0 else start.a
+    zero = [isinstance(x, tirx.IntImm) and x.value == 0 for x in (start.b, start.a)] \
+        if isinstance(start, tirx.Max) else []
+    if imp.sym.minimum >= 1 and any(zero):  # max(0, d - t) -> d - t
+        start = start.a if zero[0] else start.b
     from_end = imp.sym.norm(e(d) - start)
     if _symbol_sum(from_end) is not None:
         return from_end

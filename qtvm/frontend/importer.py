@@ -289,11 +289,11 @@ class Importer(ONNXGraphImporter):
                 k = self.known_input(node, 1 - i)
                 if node.input[i] not in self.index_tops or k is None or k.dtype.kind not in "iu":
                     continue
-                values = [self.sym.norm(v) for v in k.ints()]
-                if len(set(map(str, values))) == 1 and self.sym.prove(tirx.GE(self.sym.expr(values[0]), self.sym.expr(0))):
+                values = [self.sym.expr(self.sym.norm(v)) for v in k.ints()]
+                if len(set(map(str, values))) == 1 and self.sym.prove(tirx.GE(values[0], self.sym.expr(0))):
                     # one offset, constant or a dim (GPT-2's legacy export: Range(0, seq) + past)
-                    self.index_tops[node.output[0]] = self.sym.norm(
-                        self.sym.expr(self.index_tops[node.input[i]]) + self.sym.expr(values[0]))
+                    self.index_tops[node.output[0]] = self.sym.norm(self.sym.expr(self.index_tops[node.input[i]])
+                                                                    + values[0])
             return
         if top is None:
             return

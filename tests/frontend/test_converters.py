@@ -312,9 +312,11 @@ def test_positions_gathered_from_a_table_record_a_limit_on_the_sum(tmp_path, for
     table = numpy_helper.from_array(np.linspace(-1, 1, d, dtype=np.float32).reshape(d, 1), "table")
     nodes = _seq_of() + _seq_of("p", "q") + [
         _const("zero_axes", [0]), _const("z", 0), _const("one", 1), _const("two", 2),
-        helper.make_node("Squeeze", ["s", "zero_axes"], ["s0"]), helper.make_node("Squeeze", ["q", "zero_axes"], ["q0"])]
+        helper.make_node("Squeeze", ["s", "zero_axes"], ["s0"]),
+        helper.make_node("Squeeze", ["q", "zero_axes"], ["q0"])]
     if form == "range_from_past":
-        nodes += [helper.make_node("Add", ["q0", "s0"], ["end"]), helper.make_node("Range", ["q0", "end", "one"], ["pos"])]
+        nodes += [helper.make_node("Add", ["q0", "s0"], ["end"]),
+                  helper.make_node("Range", ["q0", "end", "one"], ["pos"])]
     else:
         nodes += [helper.make_node("Range", ["z", "s0", "one"], ["r"]), helper.make_node("Add", ["r", "q0"], ["pos"])]
     nodes += [helper.make_node("Add", ["pos", "two"], ["pos2"]),
