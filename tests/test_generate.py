@@ -143,22 +143,26 @@ def test_cli_generate(hf_compiled, tmp_path):
 
 def test_fallback_stops_at_the_models_position_limit(hf_model, hf_compiled):
     """GPT-Neo with a cache (its causal masks sliced from a [256, 256] table: past + seq <=
-    256, no in-place step): the fallback session's maximum length is that limit, so a
-    generation past it is refused before any work, naming the tables, not a --max-length the
-    model could not use; within it, onnxruntime's tokens."""
+    256): the fallback session (presents fed back) takes that limit as its maximum length, as
+    the in-place step does, so a generation past it is refused before any work, naming the
+    tables, not a --max-length the model could not use; within it, onnxruntime's tokens from
+    both sessions (GPT-Neo's keys are cast to float32, a no-op the step sees through)."""
     from qtvm import runtime
+    from qtvm.generate import ConcatSession, generate
 
     result = hf_compiled("gpt_neo", "legacy", "none", kv=True)
     assert result.metadata["dim_limits"] == {"past + seq": 256}
     module = runtime.load(result.path)
-    s = module.session()
-    assert s.mode == "presents fed back (main)" and s.max_length == 256
+    step, fallback = module.session(), ConcatSession(module)
+    assert step.mode.startswith("in-place") and fallback.max_length == step.max_length == 256
     prompt = np.array([[3, 141, 59, 26]], np.int64)
-    with pytest.raises(QtvmError, match="4 prompt tokens \\+ 254 new need a cache of 257 > 256; generate fewer "
-                                        "tokens \\(the model's position tables hold 256\\)"):
-        module.generate(prompt, 254)
-    np.testing.assert_array_equal(module.generate(prompt, 12),
-                                  ort_greedy(onnx.load(str(hf_model("gpt_neo", "legacy", kv=True))), prompt, 12))
+    for s in (step, fallback):
+        with pytest.raises(QtvmError, match="4 prompt tokens \\+ 254 new need a cache of 257 > 256; generate fewer "
+                                            "tokens \\(the model's position tables hold 256\\)"):
+            generate(module, prompt, 254, session_obj=s)
+    want = ort_greedy(onnx.load(str(hf_model("gpt_neo", "legacy", kv=True))), prompt, 12)
+    np.testing.assert_array_equal(generate(module, prompt, 12, session_obj=step), want)
+    np.testing.assert_array_equal(generate(module, prompt, 12, session_obj=fallback), want)
 
 
 def test_max_length_past_the_models_position_tables_is_refused(hf_model, tmp_path):

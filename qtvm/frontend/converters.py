@@ -326,6 +326,20 @@ def slice_(imp, node, attrs):
     return imp.ensure_shape(value, out)
 
 
+@converter("Cast")
+def cast(imp, node, attrs):
+    """A Cast to the dtype its input already has is the input itself (GPT-Neo casts its keys
+    to float32 before the attention and outputs the cast as the present: with a binding of
+    its own, the present was no longer the cache's append and the in-place KV step declined);
+    others are TVM's converter's."""
+    x = imp.expr(node.input[0])
+    same = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
+            onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool"}
+    if isinstance(x.ty, relax.TensorType) and same.get(attrs.get("to")) == x.ty.dtype:
+        return x
+    return None
+
+
 @converter("Gather")
 def gather(imp, node, attrs):
     """``take``; negative indices need no run-time normalization here: safe_gather's
