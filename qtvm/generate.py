@@ -56,6 +56,12 @@ def _position_input(inputs: list, ids: str) -> str | None:
                  and len(s["shape"]) == 2 and s["dtype"].startswith("int")), None)
 
 
+def position_limit(metadata: dict) -> int | None:
+    """The most tokens the model's position tables hold (the smallest of its ``dim_limits``,
+    e.g. past + seq <= 1024 for GPT-2), None without tables: the cache length's default."""
+    return min((metadata.get("dim_limits") or {}).values(), default=None)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -81,7 +87,7 @@ class KVSession:
         self._order = [s["name"] for s in module.inputs]
         self._ids_name, self._positions_name = info["ids"], info.get("positions")
         self._step = module._vm[info["function"]]
-        self._shape, self._tensor = tvm_ffi.Shape, tvm.runtime.tensor
+        self._shape = tvm_ffi.Shape
         # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
         self._rows = {}
         self._buffers, self._flat = {}, {}
@@ -104,6 +110,7 @@ class KVSession:
         self._layout = 0  # the L the buffers are laid out for (0: nothing yet)
         self._views: dict = {}
         self._ids: dict = {}  # n -> (staging array [batch, n], its tensor): no allocation per token
+        self._positions: dict = {}  # the same for position_ids, where the model takes them
 
     # -- cache layout ----------------------------------------------------------------------
     def _relayout(self, new: int) -> None:
@@ -164,7 +171,11 @@ class KVSession:
         views = self._views
         fed = {self._ids_name: staged[1]}
         if self._positions_name is not None:
-            fed[self._positions_name] = self._tensor(positions_from_mask(m[:, :total], n))
+            at = self._positions.get(n)
+            if at is None:
+                at = self._positions[n] = _aligned((self.batch, n), np.int64)
+            at[0][...] = positions_from_mask(m[:, :total], n)
+            fed[self._positions_name] = at[1]
         args = [fed[name] if name in fed else views[name] for name in self._order]
         logits = self._step(*args, self._shape((self.length, layout // self.pad)))
         self.length = total
@@ -179,13 +190,11 @@ class ConcatSession:
 
     def __init__(self, module, batch: int = 1, max_length: int | None = None):
         self.module, self.batch, self.length = module, batch, 0
-        # default: the model's position limits (a causal-mask table's past + seq <= 256), as
-        # the in-place step's --max-length defaults to (``pipeline._kv_step``)
-        limits = module.metadata.get("dim_limits") or {}
-        self.max_length = max_length or min(limits.values(), default=1 << 30)
+        # default: the model's position limits, as the in-place step's --max-length (``pipeline._kv_step``)
+        self.max_length = max_length or position_limit(module.metadata) or 1 << 30
         ins = module.inputs
-        self._ids = next(s["name"] for s in ins if s["name"] == "input_ids" or s["shape"] == ["batch", "seq"]
-                         and "position" not in s["name"])
+        self._ids = next(s["name"] for s in ins if s["name"] == "input_ids"
+                         or (s["shape"] == ["batch", "seq"] and "position" not in s["name"]))
         self._positions = _position_input(ins, self._ids)
         self._mask = next((s["name"] for s in ins if s["name"] not in (self._ids, self._positions)
                            and len(s["shape"]) == 2), None)
@@ -239,8 +248,7 @@ def generate(module, input_ids, max_new_tokens: int, attention_mask=None, eos_to
     s = session_obj or session(module, ids.shape[0])
     need = s.length + ids.shape[1] + max_new_tokens - 1
     if need > s.max_length:
-        limits = module.metadata.get("dim_limits") or {}
-        model_limit = min(limits.values(), default=None)
+        model_limit = position_limit(module.metadata)
         raise QtvmError(f"generation past the maximum length: {ids.shape[1]} prompt tokens + {max_new_tokens} new "
                         f"need a cache of {need} > {s.max_length}",
                         f"generate fewer tokens (the model's position tables hold {model_limit})"

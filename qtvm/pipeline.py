@@ -163,8 +163,10 @@ def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
     """The in-place KV-cache step for a past_key_values export (None for other models)."""
     from relay_passes.kv_cache import add_kv_step
 
+    from qtvm.generate import position_limit
+
     if max_length is None:
-        max_length = min([DEFAULT_MAX_LENGTH, *meta["dim_limits"].values()])
+        max_length = min(DEFAULT_MAX_LENGTH, position_limit(meta) or DEFAULT_MAX_LENGTH)
     if max_length < 1 or max_batch < 1:
         raise QtvmError(f"--max-length {max_length} and --max-batch {max_batch} must both be >= 1")
     mod, info, note = add_kv_step(mod, max_length, max_batch)

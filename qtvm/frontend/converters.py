@@ -254,8 +254,8 @@ def _table_window(imp, start, end, d, step):
     """(first row, count) of ``x[start:end]`` on a fixed-size table axis of ``d`` rows (position
     ids, a causal-mask table) whose end is a sum of symbols, ``seq`` or ``past + seq``, and whose
     start is 0 or a sum of some of those symbols (``past``): rows start .. end - 1, assuming
-    end <= d (recorded as a limit unless provable: the metadata carries it, the runtime enforces
-    it). Else None: other slices keep ONNX's clamping."""
+    end <= d (``Symbols.limit``: the metadata carries it, the runtime enforces it). Else None:
+    other slices keep ONNX's clamping."""
     if step != 1 or not isinstance(d, int) or not is_symbolic(end):
         return None
     ends = _symbol_sum(imp.sym.norm(end))
@@ -263,8 +263,7 @@ def _table_window(imp, start, end, d, step):
     if ends is None or starts is None or any(ends.count(v) < starts.count(v) for v in starts):
         return None
     first = 0 if not starts else imp.sym.norm(start)
-    if not imp.sym.prove(tirx.LE(imp.sym.expr(end), imp.sym.expr(d))):
-        imp.sym.limit(end, d)
+    imp.sym.limit(end, d)
     return first, imp.sym.norm(imp.sym.expr(end) - imp.sym.expr(first))
 
 
@@ -307,8 +306,7 @@ def slice_(imp, node, attrs):
             # x[-seq:] / x[D - seq:] of a fixed-size table of D rows (MPT's ALiBi bias, with a
             # cache x[D - past - seq:]): the same assumption, seq <= D, makes the length seq; the
             # rows read are D - seq .. D - 1
-            if not imp.sym.prove(tirx.LE(tail, e(dims[a]))):
-                imp.sym.limit(tail, dims[a])
+            imp.sym.limit(tail, dims[a])
             table_axes.append((a, imp.sym.norm(e(dims[a]) - tail), tail))
             out[a] = tail
             continue
@@ -365,7 +363,7 @@ def _limit_by_table(imp, indices: str, rows) -> None:
     past + seq + offset <= rows, so that limit is recorded as a Slice of a table records
     one (only for a sum of symbols plus a constant; the runtime enforces it)."""
     top = imp.index_tops.get(indices)
-    if top is None or not isinstance(rows, int) or imp.sym.prove(tirx.LE(top, imp.sym.expr(rows))):
+    if top is None or not isinstance(rows, int):
         return
     length, offset = top, 0
     if isinstance(top, tirx.Add) and isinstance(top.b, tirx.IntImm):

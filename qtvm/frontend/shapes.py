@@ -53,8 +53,11 @@ class Symbols:
         sliced to). The artefact's metadata carries it, keyed by its dim text, so the runtime
         refuses larger inputs. For an expression the analyzer is given the constraint itself
         (it then simplifies ``min(past + seq, 256)``) and each symbol's bound that follows from
-        the others' minimums (``past <= 255`` with ``seq >= 1``)."""
+        the others' minimums (``past <= 255`` with ``seq >= 1``). Nothing is recorded where
+        ``dim <= bound`` already follows (``min(seq, 1) <= 256``)."""
         dim = self.norm(dim)
+        if self.prove(tirx.LE(self.expr(dim), self.expr(bound))):
+            return
         key = self.text(dim)
         terms = key.split(" + ")
         if len(terms) > 1 and all(t.isidentifier() for t in terms):  # a sum of symbols: one order
