@@ -17,9 +17,19 @@ from qtvm.errors import QtvmError
 # Keys the summary lays out itself; any other key is listed under "other".
 _KNOWN = {"format", "activations", "target", "required_cpu_flags", "inputs", "outputs", "quantized_matmuls",
           "packed_bytes", "float_weight_bytes", "layers", "prequantized_matmuls", "prequantized",
-          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero", "kv_step"}
+          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero", "kv_step", "combined_matmuls"}
 # Metadata keys naming the GPU architecture a device artefact needs (the GPU targets add one).
 GPU_ARCH_KEYS = ("required_gpu_arch", "gpu_arch", "cuda_arch", "sm")
+
+
+def _combined(groups: list[list[int]]) -> str:
+    """'40 matmuls sharing an input as 16 kernels: N = 2048+256+256 (x8), 5632+5632 (x8)'."""
+    counts: dict[str, int] = {}
+    for group in groups:
+        key = "+".join(map(str, group))
+        counts[key] = counts.get(key, 0) + 1
+    widths = ", ".join(f"{key} (x{n})" if n > 1 else key for key, n in counts.items())
+    return f"{sum(map(len, groups))} matmuls sharing an input as {len(groups)} kernels: N = {widths}"
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -120,6 +130,8 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
                                 f"activations"))
         if meta.get("prequantized_matmuls"):
             rows.append(("from the model", f"{meta['prequantized_matmuls']} ({meta.get('prequantized', '')})"))
+        if meta.get("combined_matmuls"):
+            rows.append(("combined", _combined(meta["combined_matmuls"])))
     else:
         rows.append(("weights", "float (--quant none)" if meta.get("format") == "none" else
                      f"format {meta.get('format', '?')}"))

@@ -59,7 +59,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
                  activations: str = "fp32", db: str | os.PathLike | None = None,
                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
                  calib: str | os.PathLike | None = None, max_length: int | None = None, max_batch: int = 1,
-                 kv_step: bool = True, dims: dict[str, str] | None = None):
+                 kv_step: bool = True, dims: dict[str, str] | None = None, combine: bool = True):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
 
     A past_key_values export also gets ``qtvm_kv_step`` (``relay_passes.kv_cache``): greedy
@@ -71,7 +71,9 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     ``quant`` quantizes the remaining float weights ("none": they stay float);
     ``quant="gptq:<uniform preset>"`` GPTQ-quantizes them on the calibration inputs in
     ``calib`` (``qtvm.gptq_compile``). ``dims`` {input dim name: expression} restates dims the
-    exporter named on its own (``--dim s53='past + seq'``: ``frontend.onnx.rename_dims``)."""
+    exporter named on its own (``--dim s53='past + seq'``: ``frontend.onnx.rename_dims``).
+    ``combine``: matmuls sharing an input and a column-independent format run as one kernel
+    (``relay_passes.combine_matmuls``; x86 only, where it is checked bit for bit)."""
     from qtvm.formats.gptq_checkpoint import GptqCheckpoint
     from qtvm.frontend.quantized import lower_quantized
     from qtvm.gptq_compile import CalibratedCheckpoint, base_format, is_gptq_preset
@@ -129,9 +131,18 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         from relay_passes.dense_weights import dense_weights
 
         mod, meta["dense_matmuls"] = dense_weights(mod, target)
+    if combine and fmt is not None and fmt.columns_independent and target.kind.name == "llvm":
+        from relay_passes.combine_matmuls import combine_matmuls
+
+        mod, combined = combine_matmuls(mod)
+        if combined:
+            meta["combined_matmuls"] = combined
+            notes.append(f"{sum(map(len, combined))} matmuls sharing an input run as {len(combined)} (their weights "
+                         "concatenated: one kernel call each, the same outputs)")
     if fmt is not None or lowered.weights:
         mod, report, prequantized = lower_prequantized(mod, lowered.weights, fmt, target, activations)
-        meta.update(quantized_matmuls=len(report.layers), packed_bytes=report.packed_bytes,
+        merged = sum(len(group) - 1 for group in meta.get("combined_matmuls", []))  # the model's matmuls, not kernels
+        meta.update(quantized_matmuls=len(report.layers) + merged, packed_bytes=report.packed_bytes,
                     float_weight_bytes=report.float_bytes, layers=_layer_table(report.layers))
         if lowered.weights:
             meta.update(prequantized_matmuls=prequantized, prequantized=lowered.summary())
@@ -256,7 +267,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                   calib: str | os.PathLike | None = None, *,
                   host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
                   progress=None, max_length: int | None = None, max_batch: int = 1,
-                  kv_step: bool = True, dims: dict[str, str] | None = None) -> CompileResult:
+                  kv_step: bool = True, dims: dict[str, str] | None = None, combine: bool = True) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
 
     ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
@@ -274,7 +285,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     step = progress or (lambda stage: None)
     step("import + quantize")
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib,
-                                             max_length, max_batch, kv_step, dims)
+                                             max_length, max_batch, kv_step, dims, combine)
     notes = ([host_note] if host_note else []) + notes
     step("schedule + build")
     ex = compile_relax(schedule_generic_ops(mod, target), target)

@@ -49,6 +49,11 @@ ArrayLoader = Callable[[str, object], object]
 class QuantFormat(ABC):
     """A weight format: bits, grouping and storage, validated at construction."""
 
+    #: quantize([W1 | W2]) == [quantize(W1) | quantize(W2)] column for column, so the compiler
+    #: may combine matmuls that share an input (``relay_passes.combine_matmuls``); a format
+    #: whose choices span columns (mixed precision ranks whole rows) leaves it False.
+    columns_independent: bool = False
+
     @property
     @abstractmethod
     def name(self) -> str:

@@ -47,6 +47,7 @@ WORD_BITS = 32
 
 @dataclass(frozen=True)
 class BCQFormat(GroupedAlongK, QuantFormat):
+    columns_independent = True  # scales and codes per (group, column)
     bits: int = 3  # q, the number of binary planes
     group_size: int | None = 128  # None: one group per column
     iters: int = 5  # alternating refinement rounds (0: greedy only)

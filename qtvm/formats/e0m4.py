@@ -54,6 +54,7 @@ SCALE_BITS = 19  # significant bits kept in a zero-preserving scale (24 - 5)
 
 @dataclass(frozen=True)
 class E0M4Format(GroupedAlongK, QuantFormat):
+    columns_independent = True  # scales and codes per (group, column)
     group_size: int | None = 128  # None: one group per column
     decode: str = "fp32"  # how the kernel turns a code into a float: "fp32" or "fp16"
 

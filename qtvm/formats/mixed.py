@@ -392,6 +392,7 @@ class SecondOrder2Bit(UniformFormat):
     ``scale_bits``-bit codes packed along groups, fp16 scale-of-scales and minimum).
     Only a kernel view: quantizing is ``MixedFormat``'s."""
 
+    columns_independent = False  # never quantizes on its own
     g2: int = 16
     scale_bits: int = 4
 

@@ -25,6 +25,7 @@ GROUP_UNIT = 16  # every group is whole int32 words at 2/4/8 bits (and MatMulNBi
 
 @dataclass(frozen=True)
 class UniformFormat(GroupedAlongK, QuantFormat):
+    columns_independent = True  # scales and codes per (group, column)
     bits: int = 4
     group_size: int | None = 128  # None: one group per column ("-col")
 

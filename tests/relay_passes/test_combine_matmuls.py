@@ -1,0 +1,139 @@
+"""Matmuls sharing an input run as one: the graph rule on its own, the formats that allow it,
+and whole models compiled with and without it (the same outputs bit for bit)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from qtvm.formats import PRESETS
+from relay_passes.combine_matmuls import combine_matmuls
+from relay_passes.quantize_weights import MATMUL
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+
+
+def _count_matmuls(mod) -> int:
+    found = []
+    relax.analysis.post_order_visit(mod["main"].body, lambda e: found.append(
+        isinstance(e, relax.Call) and e.op == MATMUL))
+    return sum(found)
+
+
+def _graph(rng):
+    """x -> three matmuls (one weight through permute_dims, one member a dataflow output),
+    one by a different K, one by a computed weight; y -> one matmul (nothing to share)."""
+    w1 = rng.standard_normal((64, 48)).astype(np.float32)
+    w2 = rng.standard_normal((64, 16)).astype(np.float32)
+    w3_t = rng.standard_normal((40, 64)).astype(np.float32)  # [N, K]: Gemm transB's form
+    w4 = rng.standard_normal((48, 8)).astype(np.float32)
+    w5 = rng.standard_normal((64, 8)).astype(np.float32)
+    s = tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType([2, s, 64], "float32"))
+    y = relax.Var("y", relax.TensorType([s, 64], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.matmul(x, relax.const(w1)))
+            t = bb.emit(relax.op.permute_dims(relax.const(w3_t), [1, 0]))
+            b = bb.emit(relax.op.multiply(a, a))
+            c = bb.emit(relax.op.matmul(x, t))
+            d = bb.emit_output(relax.op.matmul(x, relax.const(w2)))
+            e = bb.emit(relax.op.matmul(b, relax.const(w4)))  # a's output: K = 48, its own input
+            computed = bb.emit(relax.op.add(relax.const(w5), relax.const(w5)))
+            f = bb.emit(relax.op.matmul(x, computed))  # not a constant weight
+            g = bb.emit(relax.op.matmul(y, relax.const(w5)))
+            out = bb.emit_output(relax.op.concat([b, c, f], axis=2))
+        bb.emit_func_output(relax.Tuple([out, d, e, g]))
+    return bb.get()
+
+
+def _run(mod, *args):
+    vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+    return [o.numpy() for o in vm["main"](*[tvm.runtime.tensor(a) for a in args])]
+
+
+def test_members_become_slices_of_one_matmul():
+    rng = np.random.default_rng(0)
+    mod = _graph(rng)
+    new, groups = combine_matmuls(mod)
+    assert groups == [[48, 40, 16]]  # x's three constant weights, in binding order
+    assert _count_matmuls(mod) == 6 and _count_matmuls(new) == 4  # e, f and g stay
+    assert "permute_dims" not in new.script()  # the combined weight's transpose is gone
+    for s in (1, 5):
+        x = rng.standard_normal((2, s, 64)).astype(np.float32)
+        y = rng.standard_normal((s, 64)).astype(np.float32)
+        for got, want in zip(_run(new, x, y), _run(mod, x, y)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_nothing_to_combine_leaves_the_module():
+    rng = np.random.default_rng(1)
+    x = relax.Var("x", relax.TensorType([3, 32], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.matmul(x, relax.const(rng.standard_normal((32, 8)).astype(np.float32))))
+            b = bb.emit_output(relax.op.matmul(a, relax.const(rng.standard_normal((8, 4)).astype(np.float32))))
+        bb.emit_func_output(b)
+    mod = bb.get()
+    new, groups = combine_matmuls(mod)
+    assert groups == [] and new.same_as(mod)
+
+
+def test_formats_that_allow_it_quantize_columns_alone():
+    """The property the rule rests on, for every preset that claims it (and mixed-2-4-16,
+    which ranks whole rows across columns, does not claim it)."""
+    rng = np.random.default_rng(2)
+    w1 = rng.standard_normal((300, 40)).astype(np.float32)  # K not a multiple of any group
+    w2 = (3 * rng.standard_normal((300, 24))).astype(np.float32)
+    claiming = [name for name, fmt in PRESETS.items() if fmt.columns_independent]
+    assert "mixed-2-4-16" not in claiming and {"int4-g128", "int3-g128", "bcq3-g128", "e0m4-g128"} <= set(claiming)
+    for name in claiming:
+        fmt = PRESETS[name]
+        both = fmt.quantize(np.concatenate([w1, w2], axis=1)).dequantize()
+        apart = np.concatenate([fmt.quantize(w1).dequantize(), fmt.quantize(w2).dequantize()], axis=1)
+        np.testing.assert_array_equal(both, apart, err_msg=name)
+
+
+def _outputs(path, bindings):
+    from qtvm import runtime
+    from tests.frontend.transformers_exports import feeds
+
+    module = runtime.load(path)
+    return [module.run(feeds(module.inputs, *b)) for b in bindings]
+
+
+@pytest.mark.parametrize("quant,act", [("int4-g128", "int8"), ("int3-g128", "fp32"), ("bcq3-g128", "int8")])
+def test_llama_kv_export_same_outputs_bit_for_bit(hf_model, tmp_path, quant, act):
+    """A transformers LLaMA with a cache (q/k/v and gate/up share inputs): main at several
+    (batch, seq, past) and 20 greedy tokens through the in-place step, with and without."""
+    from qtvm import runtime
+    from qtvm.pipeline import compile_model
+
+    path = hf_model("llama", "dynamo", kv=True)
+    built = {c: compile_model(path, tmp_path / f"{c}.so", "host", quant, act, combine=c) for c in (True, False)}
+    assert len(built[True].metadata["combined_matmuls"]) == 4  # 2 layers x (q/k/v, gate/up)
+    assert any("sharing an input" in n for n in built[True].notes)
+    assert "combined_matmuls" not in built[False].metadata
+    bindings = [(1, 1, 0), (1, 1, 9), (2, 3, 4), (1, 17, 0), (2, 5, 0)]
+    for got, want in zip(_outputs(built[True].path, bindings), _outputs(built[False].path, bindings)):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    prompt = np.array([[3, 141, 59, 26, 53]], np.int64)
+    tokens = [runtime.load(built[c].path).generate(prompt, 20) for c in (True, False)]
+    np.testing.assert_array_equal(tokens[0], tokens[1])
+
+
+def test_mixed_precision_declines(tiny_llama_path, tmp_path):
+    from qtvm.describe import summary
+    from qtvm.pipeline import build_module
+
+    _, meta, _, notes = build_module(tiny_llama_path, "llvm", "mixed-2-4-16")
+    assert "combined_matmuls" not in meta and not any("sharing an input" in n for n in notes)
+    _, meta, _, _ = build_module(tiny_llama_path, "llvm", "int4-g128")
+    assert meta["combined_matmuls"] == [[256, 64, 64], [704, 704], [256, 64, 64], [704, 704]]
+    assert meta["quantized_matmuls"] == 15  # the model's matmuls, run as 9 kernels
+    assert len(meta["layers"]) and sum(row["count"] for row in meta["layers"]) == 9
+    assert "10 matmuls sharing an input as 4 kernels: N = 256+64+64 (x2), 704+704 (x2)" in summary(meta)
