@@ -15,10 +15,11 @@ is its own scalar loop nest (165 calls per tiny-LLaMA forward; ``probs @ V`` alo
      the innermost loop;
    * **batch matmul** (one ``C += A * B`` block whose output's last axis is the last
      index of ``B``): rows and columns zero-padded to whole tiles (``pad_einsum``), then
-     per batch slice 4 rows x 1 vector of accumulators in registers over k; the
+     per batch slice 4 rows x 1 vector of accumulators in registers over k (x the whole
+     row of ``B`` where it is a constant of at most 4 vectors: ``probs @ V``); the
      elementwise epilogue (scale, causal mask) is inlined into the copy-out;
    * **row reductions** (RMSNorm, softmax): every block computed inside the row loop;
-     constant-length sums and maxima rfactored over the vector lanes, elementwise
+     sums and maxima over (provably) whole vectors rfactored over the lanes, elementwise
      blocks vectorized.
    * **column reductions** (mean-pooling over seq: the input's last index is an output
      axis): the reduction loops moved outside the last output loop, which is vectorized
@@ -59,6 +60,8 @@ _LOAD = tvm.ir.expr.TensorLoad  # TIR's BufferLoad node in 0.27
 _OPAQUE = 8
 #: Rows of the attention matmul's register tile.
 _MM_ROWS = 4
+#: Its accumulators: half the vector registers (AVX-512 32, AVX2 16), the rest for loads.
+_MM_ACCUMULATORS = {16: 16, 8: 8}
 #: Calls whose cost is far above a load or an FMA: a producer using one is only inlined
 #: where it is computed once per element anyway.
 _EXPENSIVE_CALLS = ("exp", "sigmoid", "sqrt", "rsqrt", "log", "tanh", "erf", "pow", "exp2", "log2")
@@ -429,7 +432,8 @@ def _is_matmul(sch, block) -> bool:
 
 
 def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
-    """Per batch slice: tiles of 4 rows x 1 vector accumulated in registers over k.
+    """Per batch slice: tiles of 4 rows x 1 vector (or B's whole row: ``_row_vectors``)
+    accumulated in registers over k.
 
     Rows and columns are padded (``pad_einsum``: per-slice zero-padded copies of the
     operands) to whole tiles, so the accumulator tile has a constant shape and SROA keeps
@@ -438,11 +442,12 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     causal mask) is inlined into the copy-out of the valid region."""
     n_batch = len(sch.get_loops(mm)) - 3
     *_, rows, cols, _ = [_extent(sch, loop) for loop in sch.get_loops(mm)]
-    whole = _divides(_MM_ROWS, rows) and _divides(lanes, cols)
+    width = lanes * _row_vectors(cols, lanes)
+    whole = _divides(_MM_ROWS, rows) and _divides(width, cols)
     if whole:  # whole tiles already (GQA rows kv_heads x seq): no padded copies, no copy-out
         producers, crop = [], None
     else:
-        sch.pad_einsum(mm, [1] * n_batch + [_MM_ROWS, lanes, 1])
+        sch.pad_einsum(mm, [1] * n_batch + [_MM_ROWS, width, 1])
         producers = sch.get_producers(mm)
         (crop,) = sch.get_consumers(mm)
     for block in sch.get_child_blocks(root):
@@ -453,22 +458,44 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     tile = sch.cache_write(mm, 0, "local")
     *batch, i, j, k = sch.get_loops(mm)
     io, ii = sch.split(i, [None, _MM_ROWS])
-    jo, ji = sch.split(j, [None, lanes])
+    jo, ji = sch.split(j, [None, width])
     sch.reorder(io, jo, k, ii, ji)
     sch.unroll(ii)
     sch.reverse_compute_at(tile, jo, preserve_unit_loops=True)
     *_, t_i, t_j = sch.get_loops(tile)
     sch.unroll(t_i)
-    _vectorize(sch, t_j)
-    _vectorize(sch, ji)
+    for loop in (t_j, ji):
+        _vectorize_vectors(sch, loop, lanes)
     init = sch.decompose_reduction(mm, k)
-    _vectorize(sch, sch.get_loops(init)[-1])
+    _vectorize_vectors(sch, sch.get_loops(init)[-1], lanes)
     if batch:  # operand copies per batch slice (the copy-out stays a separate nest: attached
         for pad in producers:  # it gets bounds TVM cannot simplify, and scalar code)
             sch.compute_at(pad, batch[-1], preserve_unit_loops=True)
     for block in [*producers, *([crop] if crop is not None else [])]:
         _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
     return True
+
+
+def _row_vectors(cols, lanes: int) -> int:
+    """Vectors per tile row: all of B's row where it is a constant of few vectors (the head
+    dim of ``probs @ V``), so each k step reads one whole row of B and B is streamed in
+    order (DRAM-cold, 4 kv heads x 1920 x 64, Zen 4: 273 -> 147 us; 68 -> 26 us at 512
+    positions; cache-hot the same); else 1 (a symbolic width such as ``q @ K^T``'s key
+    count measured slower with wider tiles)."""
+    width = _const(cols)
+    if width is None or width % lanes:
+        return 1
+    vectors = width // lanes
+    return vectors if vectors * _MM_ROWS <= _MM_ACCUMULATORS.get(lanes, 8) else 1
+
+
+def _vectorize_vectors(sch, loop, lanes: int) -> None:
+    """A tile row of one or more whole vectors: the vectors unrolled, each vectorized."""
+    extent = _const(_extent(sch, loop))
+    if extent is not None and extent > lanes:
+        outer, loop = sch.split(loop, [None, lanes])
+        sch.unroll(outer)
+    _vectorize(sch, loop)
 
 
 def _divides(n: int, extent) -> bool:
@@ -562,15 +589,18 @@ def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
 
 
 def _rfactor_lanes(sch, block, lanes: int):
-    """sum or max over a constant multiple of ``lanes`` -> ``lanes`` vector partial results
-    + one horizontal step; returns the partial block, None for other lengths (softmax's
-    symbolic rows stay scalar)."""
+    """sum or max over a multiple of ``lanes`` -> ``lanes`` vector partial results + one
+    horizontal step; returns the partial block, None for other lengths. A symbolic length
+    qualifies where it is provably such a multiple (the KV step's softmax over kv_blocks x
+    64 keys: its scalar max and sum took 152 us a layer at 1920 keys and 32 heads); other
+    symbolic rows stay scalar."""
     body = sch.get(block).body
     if not (isinstance(body, tirx.stmt.BufferStore) and isinstance(body.value, (tirx.Add, tirx.Max))):
         return None
     inner = sch.get_loops(block)[-1]
-    extent = _const(_extent(sch, inner))
-    if extent is None or extent % lanes or extent <= lanes:
+    extent = _extent(sch, inner)
+    known = _const(extent)
+    if (known is None and not _divides(lanes, extent)) or (known is not None and (known % lanes or known <= lanes)):
         return None  # a predicated split: compute_at then drops the rfactor block's predicate
     _, vec = sch.split(inner, [None, lanes])
     return sch.rfactor(vec, 0)

@@ -155,3 +155,64 @@ def test_nothing_is_inlined_into_guarded_loads():
     add = te.compute((2, 3, 4), lambda i, j, k: scaled[i, j, k] + b[i, j, k], name="add")
     plain = schedule_generic_func(te.create_prim_func([a, b, add]))
     assert is_scheduled(plain) and 'T.sblock("scaled")' not in plain.script()
+
+
+@pytest.mark.parametrize("lanes,cols,row_vectors", [(16, 64, 4), (16, 32, 2), (8, 64, 1), (8, 16, 2), (16, 48, 3),
+                                                    (16, 80, 1), (16, 56, 1)])
+def test_attention_tile_spans_a_short_constant_row(lanes, cols, row_vectors):
+    """probs @ V: B's whole row (the head dim) in one register tile where it is at most 4
+    vectors and 4 x them fit half the registers, so V streams in order; a symbolic width
+    (q @ K^T's key count) keeps one vector. Same numbers as the default loops at ragged rows."""
+    from schedules.x86_generic import _row_vectors
+
+    n = tirx.Var("n", "int64")
+    heads, rows = 3, tirx.Var("rows", "int64")
+    p = te.placeholder((heads, rows, n), name="p")
+    v = te.placeholder((heads, n, cols), name="v")
+    r = te.reduce_axis((0, n), name="r")
+    out = te.compute((heads, rows, cols), lambda h, i, j: te.sum(p[h, i, r] * v[h, r, j], axis=r), name="pv")
+    func = te.create_prim_func([p, v, out])
+    assert _row_vectors(tirx.IntImm("int64", cols), lanes) == row_vectors
+    assert _row_vectors(n * 64, lanes) == 1
+    scheduled = schedule_generic_func(func, lanes)
+    assert is_scheduled(scheduled)
+    target = tvm.target.Target({"kind": "llvm"})
+    built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target).mod
+    default = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target).mod
+    rng = np.random.default_rng(cols)
+    for m, length in ((1, 5), (8, 37), (7, 128)):
+        a = rng.standard_normal((heads, m, length)).astype(np.float32)
+        b = rng.standard_normal((heads, length, cols)).astype(np.float32)
+        got, want = (tvm.runtime.tensor(np.zeros((heads, m, cols), np.float32)) for _ in range(2))
+        built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), got)
+        default["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), want)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.numpy(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_softmax_over_whole_vectors_of_a_symbol_is_vectorized():
+    """The KV step's softmax runs over kv_blocks x 64 keys: provably whole vectors, so its
+    max and sum are rfactored over the lanes (they were scalar chains); a row of symbolic
+    length that is not provably so stays scalar. Same numbers as the default loops."""
+    blocks, n = tirx.Var("kv_blocks", "int64"), tirx.Var("n", "int64")
+    for length, split in ((blocks * 64, True), (n, False)):
+        x = te.placeholder((3, length), name="x")
+        r = te.reduce_axis((0, length), name="r")
+        top = te.compute((3,), lambda i: te.max(x[i, r], axis=r), name="top")
+        e = te.compute((3, length), lambda i, j: te.exp(x[i, j] - top[i]), name="e")
+        r2 = te.reduce_axis((0, length), name="r2")
+        total = te.compute((3,), lambda i: te.sum(e[i, r2], axis=r2), name="total")
+        y = te.compute((3, length), lambda i, j: e[i, j] / total[i], name="y")
+        func = te.create_prim_func([x, y, blocks] if split else [x, y])  # kv_blocks: a parameter, as in the step
+        scheduled = schedule_generic_func(func, 16)
+        assert is_scheduled(scheduled) and ("top_rf" in scheduled.script()) == split
+        assert ("total_rf" in scheduled.script()) == split
+        target = tvm.target.Target({"kind": "llvm"})
+        built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target).mod
+        rng = np.random.default_rng(3)
+        for cols in (64, 192, 1920):
+            a = (4 * rng.standard_normal((3, cols))).astype(np.float32)
+            args = [tvm.runtime.tensor(a), tvm.runtime.tensor(np.zeros_like(a))]
+            built["main"](*args, *([cols // 64] if split else []))
+            want = np.exp(a - a.max(1, keepdims=True))
+            np.testing.assert_allclose(args[1].numpy(), want / want.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
