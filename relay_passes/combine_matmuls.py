@@ -76,24 +76,15 @@ class _Combiner(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         x = self.visit_expr(binding.value.args[0])
-        weight = np.ascontiguousarray(np.concatenate([w for _, w in members], axis=1))
+        weight = np.concatenate([w for _, w in members], axis=1)
         y = self.builder_.emit(relax.op.matmul(x, relax.const(weight)))
-        axis, begin = x.ty.ndim - 1 if x.ty.ndim > 1 else 0, 0
+        axis, begin = x.ty.ndim - 1, 0  # the output's last axis (x is at least 1-D)
         for var, w in members:
             part = relax.op.strided_slice(y, axes=[axis], begin=[begin], end=[begin + w.shape[1]])
             begin += w.shape[1]
             new = self.builder_.emit(part) if isinstance(var, relax.DataflowVar) else self.builder_.emit_output(part)
             self.set_var_remap(var, new)
         self.combined.append([w.shape[1] for _, w in members])
-
-
-def _bindings(func: relax.Function) -> dict:
-    bound = {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            if isinstance(binding, relax.VarBinding):
-                bound[binding.var] = binding.value
-    return bound
 
 
 def combine_matmuls(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[list[int]]]:
@@ -103,7 +94,7 @@ def combine_matmuls(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[list[int]]]:
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
             continue
-        combiner = _Combiner(out, _bindings(func))
+        combiner = _Combiner(out, relax.analysis.get_var2val(func))
         new = combiner.visit_expr(func)
         if combiner.combined:  # a Gemm's permute_dims of a combined weight is left unused
             combiner.builder_.update_func(gv, relax.analysis.remove_all_unused(new))

@@ -600,7 +600,7 @@ def _rfactor_lanes(sch, block, lanes: int):
     inner = sch.get_loops(block)[-1]
     extent = _extent(sch, inner)
     known = _const(extent)
-    if (known is None and not _divides(lanes, extent)) or (known is not None and (known % lanes or known <= lanes)):
+    if not _divides(lanes, extent) or (known is not None and known <= lanes):
         return None  # a predicated split: compute_at then drops the rfactor block's predicate
     _, vec = sch.split(inner, [None, lanes])
     return sch.rfactor(vec, 0)

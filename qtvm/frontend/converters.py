@@ -330,10 +330,9 @@ def cast(imp, node, attrs):
     to float32 before the attention and outputs the cast as the present: with a binding of
     its own, the present was no longer the cache's append and the in-place KV step declined);
     others are TVM's converter's."""
-    x = imp.expr(node.input[0])
-    same = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
-            onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool"}
-    if isinstance(x.ty, relax.TensorType) and same.get(attrs.get("to")) == x.ty.dtype:
+    x, to = imp.expr(node.input[0]), attrs.get("to")
+    known = to in onnx.TensorProto.DataType.values() and to != onnx.TensorProto.UNDEFINED
+    if isinstance(x.ty, relax.TensorType) and known and str(onnx.helper.tensor_dtype_to_np_dtype(to)) == x.ty.dtype:
         return x
     return None
 
