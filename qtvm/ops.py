@@ -256,12 +256,14 @@ def quantize_activations_func(fmt: QuantFormat, k: int, row_tile: int = 1) -> tv
                       name="amax")
     xd = te.compute((mp, kp // ACT_BLOCK), lambda i, b: amax[i, b] / 127.0, name="xd")
 
+    inv = te.compute((mp, kp // ACT_BLOCK), lambda i, b: tirx.if_then_else(
+        amax[i, b] > 0, 127.0 / tirx.max(amax[i, b], tirx.const(1e-30, "float32")), tirx.const(0.0, "float32")),
+        name="inv")
+
     def quant(i, pos):
         q = pos % ACT_BLOCK
         src = pos - q + act_value(bits, q)  # byte-plane position -> value index
-        a = amax[i, src // ACT_BLOCK]
-        inv = tirx.if_then_else(a > 0, 127.0 / tirx.max(a, tirx.const(1e-30, "float32")), tirx.const(0.0, "float32"))
-        return tirx.max(tirx.min(tirx.round(xk(i, src) * inv), 127.0), -127.0).astype("int8")
+        return tirx.max(tirx.min(tirx.round(xk(i, src) * inv[i, pos // ACT_BLOCK]), 127.0), -127.0).astype("int8")
 
     xq = te.compute((mp, kp), quant, name="xq")
     r2 = te.reduce_axis((0, ACT_BLOCK), name="r2")

@@ -73,7 +73,7 @@ def is_scheduled(func: tirx.PrimFunc) -> bool:
     return "qtvm.kernel" in attrs or bool(attrs.get("tir.is_scheduled", False))
 
 
-def _vector_lanes(target: tvm.target.Target) -> int:
+def vector_lanes(target: tvm.target.Target) -> int:
     """fp32 lanes of the target's widest vector (8 when the target is not in the table)."""
     try:
         from schedules.target_facts import cpu_facts
@@ -118,7 +118,7 @@ def generic_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> dict:
     """{GlobalVar: scheduled PrimFunc, or None where no rule fits} for every unscheduled
     PrimFunc of a fused module (reshape-pattern functions excluded: Relax makes them views,
     a schedule would make them copies)."""
-    lanes = _vector_lanes(target)
+    lanes = vector_lanes(target)
     out = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
@@ -566,7 +566,7 @@ def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
     if rows == 0:
         return False
     # rfactor before compute_at: it needs its block to head its loop nest.
-    partial = [rf for rf in (_rfactor_lanes(sch, red, lanes) for red in reductions) if rf is not None]
+    partial = [rf for rf in (rfactor_lanes(sch, red, lanes) for red in reductions) if rf is not None]
     row = sch.get_loops(last)[rows - 1]
     rest = [b for b in sch.get_child_blocks(root) if _name(sch, b) != _name(sch, last)]
     for block in reversed(rest):
@@ -588,7 +588,7 @@ def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
     return True
 
 
-def _rfactor_lanes(sch, block, lanes: int):
+def rfactor_lanes(sch, block, lanes: int):
     """sum or max over a multiple of ``lanes`` -> ``lanes`` vector partial results + one
     horizontal step; returns the partial block, None for other lengths. A symbolic length
     qualifies where it is provably such a multiple (the KV step's softmax over kv_blocks x

@@ -236,3 +236,49 @@ def test_zen4_streams_with_a_short_prefetch_into_l2():
     tensorized = [line for line in trace if "tensorize" in line]
     rows = x86.prefetch_rows((2048, 2), NB)[0]
     assert tensorized and f"_pf{rows}l2" in tensorized[0]
+
+
+def _quantized_activations(lib, fmt, x, k, row_tile):
+    kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
+    mp = -(-x.shape[0] // row_tile) * row_tile
+    outs = [tvm.runtime.tensor(np.full(s, 99, d)) for s, d in  # padding rows must be written too
+            (((mp, kp), np.int8), ((mp, kp // ops.ACT_BLOCK), np.float32), ((mp, groups), np.float32))]
+    lib["main"](tvm.runtime.tensor(x), *outs)
+    return [o.numpy() for o in outs]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("preset,k,m,row_tile", [("int4-g128", 1000, 1, 1), ("int4-g128", 4096, 3, 4),
+                                                 ("int3-g64", 300, 2, 1), ("int2-g32", 200, 5, 4)])
+def test_activation_quantizer_vectorized_writes_the_rounding_numpy_does(isa, preset, k, m, row_tile):
+    """Per 32-value block: scale = max|x| / 127, codes round(x * (127 / max|x|)) clipped to
+    +-127 in the byte-plane order of the format (``intrin.act_value``), 0 for an all-zero block;
+    group sums of the rounded values. The scheduled kernel (vector partials, a reduction tree)
+    writes what the unscheduled loops write, bit for bit, K not a multiple of the group."""
+    from schedules import compile_func, compile_kernel
+
+    fmt, target = get_format(preset), ISA_TARGETS[isa]
+    rng = np.random.default_rng(k + m)
+    x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 300.0], size=(m, 1))).astype(np.float32)
+    x[:, 32:64] = 0  # an all-zero block
+    func = ops.quantize_activations_func(fmt, k, row_tile)
+    got = _quantized_activations(compile_kernel(func, target), fmt, x, k, row_tile)
+    plain = _quantized_activations(compile_func(func, target), fmt, x, k, row_tile)
+    for a, b in zip(got, plain):
+        np.testing.assert_array_equal(a, b)
+
+    xq, xd, xs = got
+    kp, bits = fmt.padded_k(k), int(fmt.describe()["bits"])
+    blocks = np.zeros((xq.shape[0], kp), np.float32)
+    blocks[:m, :k] = x
+    blocks = blocks.reshape(xq.shape[0], -1, ops.ACT_BLOCK)
+    amax = np.abs(blocks).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
+    codes = np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    order = [intrin.act_value(bits, q) for q in range(ops.ACT_BLOCK)]
+    np.testing.assert_array_equal(xq.reshape(codes.shape), codes[..., order])
+    np.testing.assert_array_equal(xd, amax / np.float32(127))
+    per_group = fmt.group_size_for(k) // ops.ACT_BLOCK
+    sums = (xd * codes.sum(-1)).reshape(xq.shape[0], -1, per_group).sum(-1)
+    np.testing.assert_allclose(xs, sums, rtol=1e-6, atol=1e-30)
+    assert (xq[m:] == 0).all() and (xd[m:] == 0).all()  # the row tile's padding rows
