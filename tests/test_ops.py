@@ -13,7 +13,8 @@ from tests.kernels import compile_scheduled as build
 
 @pytest.mark.parametrize("preset,k,n", [
     ("int4-g128", 1000, 37), ("int4-g32", 128, 1), ("int4-g64", 4096, 37), ("int4-col", 1000, 37),
-    ("int3-g128", 1000, 37), ("int2-g64", 300, 70), ("int8-g32", 256, 65),
+    ("int3-g128", 1000, 37), ("int2-g64", 300, 70), ("int8-g32", 256, 65), ("int4-g128-f16", 1000, 37),
+    ("int3-g64-f16-qz", 300, 70),
 ])
 def test_qmatmul_fp32_activations(preset, k, n):
     fmt = get_format(preset)
@@ -35,7 +36,9 @@ def test_kernel_carries_format_description():
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int4-g32", 4096, 1), ("int2-g64", 300, 70),
                                         ("e0m4-g128", 1000, 37), ("e0m4-g64-f16", 300, 70), ("int4-g128-qz", 1000, 37),
-                                        ("int3-g128", 1000, 37), ("int3-g32", 4096, 1), ("int3-g64-qz", 300, 70)])
+                                        ("int3-g128", 1000, 37), ("int3-g32", 4096, 1), ("int3-g64-qz", 300, 70),
+                                        ("int4-g128-f16", 1000, 37), ("int2-g64-f16", 300, 70),
+                                        ("int4-g128-f16-qz", 1000, 37)])
 def test_qmatmul_int8_activations(isa, preset, k, n):
     fmt = get_format(preset)
     rng = np.random.default_rng(k)
@@ -54,7 +57,7 @@ def test_qmatmul_int8_activations(isa, preset, k, n):
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int3-g64", 300, 70), ("int2-g32", 4096, 1),
-                                        ("e0m4-g128", 1000, 37)])
+                                        ("e0m4-g128", 1000, 37), ("int4-g64-f16", 1000, 37)])
 def test_qmatmul_int8_activations_prefill(isa, preset, k, n):
     """Row tiles of 4: M = 1, 4, 5 and 18 (tails of 1..3 padding rows)."""
     fmt = get_format(preset)

@@ -74,7 +74,7 @@ def test_float_build_matches_onnxruntime(mlp_path, tmp_path):
     np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5)
 
 
-FAMILY_PRESETS = ["int3-g128", "int2-g64", "int8-g128", "int4-col", "int4-g128-qz", "mixed-2-4-16"]
+FAMILY_PRESETS = ["int3-g128", "int2-g64", "int8-g128", "int4-col", "int4-g128-qz", "int4-g128-f16", "mixed-2-4-16"]
 
 
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)

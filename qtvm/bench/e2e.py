@@ -42,6 +42,7 @@ from qtvm.models.hf_cache import flat_cache_module
 DEFAULT = {"hidden": 2048, "layers": 8, "intermediate": 5632, "vocab": 32000, "heads": 32, "kv_heads": 4}
 #: qtvm engines: (--quant, --act) of their artefact. BCQ (LUT-GEMM decode) on request only.
 QTVM_BUILDS = {"qtvm-int4": ("int4-g128", "fp32"), "qtvm-int4-a8": ("int4-g128", "int8"),
+               "qtvm-int4f16-a8": ("int4-g128-f16", "int8"),  # float16 scales: 4.25 bits a weight
                "qtvm-bcq3": ("bcq3-g128", "fp32"), "qtvm-bcq3-a8": ("bcq3-g128", "int8")}
 ENGINES = (*QTVM_BUILDS, "ort-fp32", "ort-int4")
 DEFAULT_ENGINES = ("qtvm-int4", "qtvm-int4-a8", "ort-fp32", "ort-int4")

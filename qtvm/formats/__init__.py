@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from qtvm.errors import QtvmError
 from qtvm.formats.base import QuantFormat, QuantizedTensor
-from qtvm.formats.uniform import VALID_BITS, VALID_GROUPS, UniformFormat
+from qtvm.formats.uniform import SCALE_DTYPES, VALID_BITS, VALID_GROUPS, UniformFormat
 
 PRESETS: dict[str, QuantFormat] = {}
 
@@ -15,7 +15,8 @@ def register(fmt: QuantFormat) -> QuantFormat:
 
 for _bits in VALID_BITS:
     for _g in (*VALID_GROUPS, None):
-        register(UniformFormat(_bits, _g))
+        for _scales in SCALE_DTYPES:
+            register(UniformFormat(_bits, _g, _scales))
 
 # Each format family registers its presets here, one import line per family module
 # (the module calls ``register`` at import time).

@@ -50,7 +50,7 @@ import numpy as np
 from qtvm.errors import QtvmError
 from qtvm.formats import register
 from qtvm.formats.base import ArrayLoader, QuantFormat, QuantizedTensor, check_weight
-from qtvm.formats.uniform import VALID_BITS, VALID_GROUPS, UniformFormat
+from qtvm.formats.uniform import SCALE_DTYPES, VALID_BITS, VALID_GROUPS, UniformFormat
 
 
 # -- packed zeros ----------------------------------------------------------------
@@ -70,14 +70,14 @@ class QZerosFormat(UniformFormat):
         return {"qweight": self.word_rows(k), "scales": self.num_groups(k), "qzeros": self.zero_rows(k)}
 
     def array_dtype(self, name: str) -> str:
-        return "int32" if name in ("qweight", "qzeros") else "float32"
+        return "int32" if name in ("qweight", "qzeros") else self.scale_dtype
 
     def describe(self) -> dict:
         return dict(super().describe(), zeros="packed")
 
     def bits_per_weight_nominal(self) -> float:
         g = self.group_size or 4096
-        return self.bits + (32.0 + self.bits) / g
+        return self.bits + (8.0 * np.dtype(self.scale_dtype).itemsize + self.bits) / g
 
     def pack_zeros(self, zeros: np.ndarray) -> np.ndarray:
         """[G, N] integer-valued zero points -> [zero rows, N] int32."""
@@ -106,7 +106,7 @@ class QZerosFormat(UniformFormat):
         return super().dequantize_reference(QuantizedTensor(self, qt.k, qt.n, arrays))
 
     def te_group_coefs(self, load: ArrayLoader, g):
-        s = load("scales", g)
+        s = load("scales", g).astype("float32")
         z = self._te_code(lambda row: load("qzeros", row), g).astype("float32")
         return [s], -z * s
 
@@ -267,7 +267,8 @@ def gptq_quantize(w: np.ndarray, calib_x: np.ndarray, fmt: UniformFormat, *, blo
     gs = fmt.group_size_for(k)
     stored = np.repeat(zeros, gs, axis=0).astype(np.uint32)  # padding rows: zero point, weight 0
     stored[:k][order] = codes
-    arrays = {"qweight": fmt.pack(stored), "scales": scales, "zeros": zeros}
+    arrays = {"qweight": fmt.pack(stored), "scales": scales.astype(fmt.array_dtype("scales")),
+              "zeros": zeros.astype(fmt.array_dtype("scales"))}  # the group rule's values: exact in its dtype
     if act_order:
         g_idx = np.empty(k, np.int32)
         g_idx[order] = np.arange(k) // gs
@@ -315,4 +316,5 @@ def _gptq_rows(w: np.ndarray, u: np.ndarray, fmt: UniformFormat, block: int):
 
 for _bits in VALID_BITS:
     for _g in (*VALID_GROUPS, None):
-        register(QZerosFormat(_bits, _g))
+        for _scales in SCALE_DTYPES:
+            register(QZerosFormat(_bits, _g, _scales))

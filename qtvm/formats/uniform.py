@@ -5,7 +5,10 @@ Storage, for a [K, N] weight with K padded to ``padded_k(K)``:
           value j of a word sits at bits [b*j, b*j + b); for b = 3, 32 values
           fill 3 consecutive words as one 96-bit little-endian field, so values
           10 and 21 straddle word boundaries (QIGen's 3-bit layout).
-  scales  [G, N] float32, zeros [G, N] float32 (integer-valued zero points).
+  scales  [G, N] float32, zeros [G, N] float32 (integer-valued zero points);
+          float16 both in the ``-f16`` presets (``scale_dtype``): GPTQ's, AWQ's and
+          llama.cpp's scale width, 4.25 instead of 4.5 bits a weight at b = 4, g = 128, and
+          the bytes a memory-bound GEMV streams are its time.
   w[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from qtvm.formats.base import ArrayLoader, GroupedAlongK, QuantFormat, Quantized
 VALID_BITS = (2, 3, 4, 8)
 VALID_GROUPS = (16, 32, 64, 128, 256)  # the presets; a model's own blocks may be any multiple of GROUP_UNIT
 GROUP_UNIT = 16  # every group is whole int32 words at 2/4/8 bits (and MatMulNBits' smallest block)
+SCALE_DTYPES = {"float32": "", "float16": "-f16"}  # stored scale/zero dtype -> preset suffix
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class UniformFormat(GroupedAlongK, QuantFormat):
     columns_independent = True  # scales and codes per (group, column)
     bits: int = 4
     group_size: int | None = 128  # None: one group per column ("-col")
+    scale_dtype: str = "float32"  # of the stored scales and zeros (SCALE_DTYPES)
 
     def __post_init__(self):
         if self.bits not in VALID_BITS:
@@ -38,11 +43,15 @@ class UniformFormat(GroupedAlongK, QuantFormat):
             raise QtvmError(f"uniform format cannot use group size {g}",
                             f"valid group sizes: multiples of {GROUP_UNIT} (presets: "
                             f"{', '.join(map(str, VALID_GROUPS))}) or full column")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QtvmError(f"uniform format cannot store scales as {self.scale_dtype}",
+                            f"valid: {', '.join(SCALE_DTYPES)}")
 
     # -- layout facts -------------------------------------------------------
     @property
     def name(self) -> str:
-        return f"int{self.bits}-" + ("col" if self.group_size is None else f"g{self.group_size}")
+        return f"int{self.bits}-" + ("col" if self.group_size is None else f"g{self.group_size}") + \
+            SCALE_DTYPES[self.scale_dtype]
 
     @property
     def values_per_block(self) -> int:
@@ -74,11 +83,12 @@ class UniformFormat(GroupedAlongK, QuantFormat):
 
     def describe(self) -> dict:
         return {"family": "uniform", "bits": self.bits, "group_size": self.group_size or 0,
-                "storage": "int32", "zeros": "float32", "values_per_block": self.values_per_block}
+                "storage": "int32", "zeros": self.scale_dtype, "values_per_block": self.values_per_block,
+                **({} if self.scale_dtype == "float32" else {"scales": self.scale_dtype})}
 
     def bits_per_weight_nominal(self) -> float:
         g = self.group_size or 4096
-        return self.bits + 64.0 / g
+        return self.bits + 2.0 * np.dtype(self.scale_dtype).itemsize * 8 / g
 
     # -- numpy side -----------------------------------------------------------
     def quantize(self, w: np.ndarray, name: str = "weight") -> QuantizedTensor:
@@ -98,10 +108,28 @@ class UniformFormat(GroupedAlongK, QuantFormat):
         # so it dequantizes to exactly c (|c| / qmax * qmax need not round back to |c|).
         const = (lo == hi) & (lo != 0)
         scales[const] = np.abs(lo[const])
+        scales = self._stored_scales(scales, name)
         zeros = np.clip(np.round(-wmin / scales), 0, self.qmax).astype(np.float32)
         codes = np.clip(np.round(grouped / scales[:, None, :]) + zeros[:, None, :], 0, self.qmax)
         codes = codes.reshape(kp, n).astype(np.uint32)
-        return QuantizedTensor(self, k, n, {"qweight": self.pack(codes), "scales": scales, "zeros": zeros})
+        return QuantizedTensor(self, k, n, {"qweight": self.pack(codes), "scales": scales.astype(self.scale_dtype),
+                                            "zeros": zeros.astype(self.scale_dtype)})
+
+    def _stored_scales(self, scales: np.ndarray, name: str) -> np.ndarray:
+        """The float32 scales as stored (rounded to ``scale_dtype``), so the codes are
+        chosen against the scale the kernel will read. A scale the dtype cannot hold
+        (beyond float16's 65504, or rounding to 0) is refused by name."""
+        if self.scale_dtype == "float32":
+            return scales
+        with np.errstate(over="ignore", under="ignore"):
+            stored = scales.astype(self.scale_dtype)
+        bad = ~np.isfinite(stored) | (stored == 0)
+        if bad.any():
+            g, j = (int(i) for i in np.argwhere(bad)[0])
+            raise QtvmError(f"'{name}' needs a scale of {float(scales[g, j]):.3g} (group {g}, column {j}), "
+                            f"beyond {self.scale_dtype}'s range",
+                            f"use the float32-scale preset {UniformFormat(self.bits, self.group_size).name}")
+        return stored.astype(np.float32)
 
     def pack(self, codes: np.ndarray) -> np.ndarray:
         """[K_pad, N] codes -> [word rows, N] int32."""
@@ -151,15 +179,15 @@ class UniformFormat(GroupedAlongK, QuantFormat):
 
     # -- TE side ----------------------------------------------------------------
     def array_dtype(self, name: str) -> str:
-        return "int32" if name == "qweight" else "float32"
+        return "int32" if name == "qweight" else self.scale_dtype
 
     def te_decode_terms(self, load: ArrayLoader, k):
         """One term: the integer code of weight row ``k`` as float32."""
         return [self._te_code(lambda row: load("qweight", row), k).astype("float32")]
 
     def te_group_coefs(self, load: ArrayLoader, g):
-        s = load("scales", g)
-        return [s], -load("zeros", g) * s
+        s = load("scales", g).astype("float32")
+        return [s], -load("zeros", g).astype("float32") * s
 
     def te_code_affine(self, load: ArrayLoader, g):
         coefs, offset = self.te_group_coefs(load, g)

@@ -11,6 +11,7 @@ from hypothesis.extra import numpy as hnp
 from qtvm import ops
 from qtvm.errors import QtvmError
 from qtvm.formats import PRESETS, UniformFormat, get_format
+from qtvm.formats.gptq import QZerosFormat
 from schedules.x86 import schedule_qmatmul_x86
 from tests.kernels import AVX2 as TARGET
 from tests.kernels import NB, run_blocked
@@ -197,6 +198,44 @@ def test_names_and_nominal_bits():
     assert qt.bits_per_weight == pytest.approx(4.5)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 128), (3, 64), (8, 32), (2, None)])
+def test_f16_scales_are_what_the_codes_were_chosen_against(bits, group):
+    """``-f16``: scales and zeros stored as float16; the codes are rounded against the
+    stored scale, so the error stays half a step of it (plus the clip at the range's end
+    where the scale rounded down: at most qmax x its float16 rounding, which is relative for
+    normal scales and absolute, 2^-25, for the subnormal ones of the 1e-3 columns)."""
+    fmt = UniformFormat(bits, group, "float16")
+    rng = np.random.default_rng(bits)
+    w = (rng.standard_normal((300, 37)) * rng.choice([1e-3, 0.05, 30.0], size=37)).astype(np.float32)
+    qt = fmt.quantize(w)
+    assert {name: a.dtype for name, a in qt.arrays.items()} == {
+        "qweight": np.int32, "scales": np.float16, "zeros": np.float16}
+    assert fmt.describe()["scales"] == fmt.describe()["zeros"] == "float16"
+    same32 = UniformFormat(bits, group).quantize(w)  # the unrounded scales
+    gs = fmt.group_size_for(qt.k)
+    s16, s32 = (np.repeat(t.arrays["scales"].astype(np.float64), gs, axis=0)[: qt.k] for t in (qt, same32))
+    err = np.abs(qt.dequantize().astype(np.float64) - w)
+    assert np.all(err <= 0.5 * s16 + fmt.qmax * np.abs(s32 - s16) + 1e-6 * np.abs(w))
+    assert np.abs(qt.dequantize() - w).mean() <= 1.01 * np.abs(same32.dequantize() - w).mean()
+
+
+@pytest.mark.parametrize("value,word", [(1e6, "1.33e\\+05"), (1e-12, "1.33e-13")])
+def test_f16_scales_beyond_float16_are_refused_with_the_float32_preset(value, word):
+    w = np.full((128, 3), value, np.float32)
+    w[0] = -value
+    with pytest.raises(QtvmError, match=f"'weight' needs a scale of {word}.*float16.*int4-g128$"):
+        get_format("int4-g128-f16").quantize(w)
+
+
+def test_f16_names_and_nominal_bits():
+    assert UniformFormat(4, 128, "float16").name == "int4-g128-f16" and get_format("int3-col-f16").bits == 3
+    assert UniformFormat(4, 128, "float16").bits_per_weight_nominal() == pytest.approx(4.25)
+    with pytest.raises(QtvmError, match="cannot store scales as bfloat16"):
+        UniformFormat(4, 128, "bfloat16")
+    assert QZerosFormat(4, 128, "float16").name == "int4-g128-f16-qz"  # GPTQ's own storage: 4.16 bits a weight
+    assert get_format("int4-g128-f16-qz").bits_per_weight_nominal() == pytest.approx(4 + 20 / 128)
+
+
 # -- compiled kernel vs numpy reference ------------------------------------------
 _KERNELS: dict = {}
 
@@ -243,6 +282,11 @@ def test_int4_kernel_matches_reference(group, k, n):
 ])
 def test_low_and_high_bit_kernels_on_awkward_shapes(bits, group, k, n):
     check_kernel(UniformFormat(bits, group), k, n, seed=bits * 1000 + k)
+
+
+@pytest.mark.parametrize("bits, group, k, n", [(4, 128, 1000, 37), (3, 64, 300, 70), (2, 32, 128, 1), (8, None, 77, 5)])
+def test_f16_scale_kernels_on_awkward_shapes(bits, group, k, n):
+    check_kernel(UniformFormat(bits, group, "float16"), k, n, seed=bits * 1000 + k)
 
 
 def test_kernel_exact_on_constant_and_zero_weights():

@@ -15,6 +15,7 @@ from tests.gpu import SM80, blocked, check_ptxas, needs_nvcc, needs_opencl, rel_
 CASES = [("int4-g128", 300, 37), ("int3-g128", 1000, 70), ("int2-g64", 1000, 33), ("int8-g32", 200, 9),
          ("int4-g128-qz", 700, 37), ("e0m4-g128", 700, 37), ("bcq3-g128", 300, 40), ("int4-col", 100, 37),
          ("int2-g16", 576, 37),  # 36 chunks over 32 lanes: a tail iteration
+         ("int4-g128-f16", 300, 37), ("int4-g64-f16-qz", 300, 37),  # float16 scales (and zeros)
          ("int4-g128", 1024, 37), ("e0m4-g128", 2048, 70)]  # no K padding: x read in 32-byte vectors
 
 
@@ -35,7 +36,8 @@ def test_gemv_matches_reference_on_opencl(preset, k, n):
     rng = np.random.default_rng(1)
     for m in (1, 3, 16):  # one kernel, symbolic M (CUDA runs it up to M = 16)
         x = rng.standard_normal((m, k)).astype(np.float32)
-        assert rel_err(run_on_pocl(func, x, blocked(qt), n), x.astype(np.float64) @ qt.dequantize()) < 1e-5
+        got = run_on_pocl(func, x, blocked(qt), n, half_as_float="-f16" in preset)  # PoCL: no cl_khr_fp16
+        assert rel_err(got, x.astype(np.float64) @ qt.dequantize()) < 1e-5
 
 
 @needs_nvcc

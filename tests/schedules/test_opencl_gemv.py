@@ -25,7 +25,8 @@ DEVICES = {"mali": MALI, "adreno": ADRENO, "bifrost": BIFROST}
 # One case per format family and layout, the devices taking turns.
 CASES = [("mali", "int4-g128", 300, 37), ("adreno", "int3-g128", 1000, 70), ("bifrost", "int2-g64", 1000, 33),
          ("adreno", "e0m4-g128", 700, 37), ("mali", "int8-g32", 200, 9), ("adreno", "int4-g128-qz", 700, 37),
-         ("mali", "int2-g16", 576, 37)]  # 36 chunks over 16 lanes: a tail iteration
+         ("mali", "int2-g16", 576, 37),  # 36 chunks over 16 lanes: a tail iteration
+         ("adreno", "int4-g64-f16", 300, 37)]  # float16 scales and zeros
 
 
 def quantized(preset: str, k: int, n: int):
@@ -50,7 +51,7 @@ def check(func, qt, half_as_float: bool = False) -> None:
 @needs_opencl
 @pytest.mark.parametrize("device,preset,k,n", CASES)
 def test_gemv_matches_reference_on_opencl(device, preset, k, n):
-    check(gemv_func(preset, k, n, DEVICES[device]), quantized(preset, k, n))
+    check(gemv_func(preset, k, n, DEVICES[device]), quantized(preset, k, n), half_as_float="-f16" in preset)
 
 
 # fp16 activations: fp32 sums (``--act fp16``) and fp16 sums per lane chunk (``fp16-acc16``).
