@@ -161,7 +161,7 @@ def test_quantized_onnx_through_the_cli(tmp_path):
     onnx.save(ort_matmul_nbits(mlp_model(), 4, 32, False), str(tmp_path / "q.onnx"))
     proc = qtvm("compile", tmp_path / "q.onnx", "--target", "llvm", "-mcpu=znver3", "-o", tmp_path / "q.so")
     assert proc.returncode == 0, proc.stderr
-    assert ("packed 2 matmuls: 1 quantized in the model or checkpoint (MatMulNBits int4-g32 x1), 1 to int4-g128 "
+    assert ("packed 2 matmuls: 1 quantized in the model or checkpoint (MatMulNBits int4-g32-qz x1), 1 to int4-g128 "
             "(fp32 activations)") in proc.stdout
 
 
@@ -198,7 +198,7 @@ def test_gptq_checkpoint_through_the_cli(gptq_files):
     tmp, write = gptq_files
     proc = qtvm("compile", tmp / "mlp.onnx", "--gptq", write(), "--quant", "none", "-o", tmp / "g.so")
     assert proc.returncode == 0, proc.stderr
-    assert "1 quantized in the model or checkpoint (GPTQ int4-g32 x1), 0 to -" in proc.stdout
+    assert "1 quantized in the model or checkpoint (GPTQ int4-g32-f16 x1), 0 to -" in proc.stdout
 
 
 def test_gptq_mismatch_through_the_cli(gptq_files):

@@ -22,7 +22,7 @@ import numpy as np
 
 from qtvm.errors import QtvmError
 from qtvm.formats.base import QuantizedTensor
-from qtvm.formats.gptq import ActOrderFormat, reorder_for_kernel
+from qtvm.formats.gptq import ActOrderFormat, QZerosFormat, reorder_for_kernel
 from qtvm.formats.uniform import GROUP_UNIT, VALID_BITS, UniformFormat
 
 
@@ -58,6 +58,23 @@ class BlockQuantized:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def format(self) -> UniformFormat:
+        """The uniform format the kernels run it in, a small one that holds the stored values
+        exactly (the same products): float16 scales and zeros (``-f16``, 4.25 bits a weight at
+        4 bits, groups of 128) where float16 holds them all (a GPTQ checkpoint's, an fp16
+        model's: zero points that are codes always fit), else zero points that are codes
+        (0 .. 2^bits - 1, as MatMulNBits and QDQ store them) packed as codes (``-qz``: 4.28
+        bits) beside float32 scales, else float32 scales and zeros (4.5 bits). -f16 before
+        -f16-qz: on Zen 4 the packed zeros' unpack cost more than their bytes saved (int4-g128
+        at 4096 x 11008, 1 thread: 1020 us -f16, 1026 -f16-qz, 1124 -qz, 1142 float32)."""
+        z = np.asarray(self.zeros, np.float64)
+        if _float16_exact(self.scales, self.zeros):
+            return UniformFormat(self.bits, self.group_size, "float16")
+        if np.all((z == np.round(z)) & (z >= 0) & (z <= (1 << self.bits) - 1)):
+            return QZerosFormat(self.bits, self.group_size)
+        return UniformFormat(self.bits, self.group_size)
+
     def why_not(self, transposed: bool) -> str | None:
         """None when ``x @ W`` (``x @ W^T`` if ``transposed``) fits the uniform format, else why not."""
         k_axis = 1 if transposed else 0
@@ -77,7 +94,7 @@ class BlockQuantized:
         k, n = codes.shape
         if self.axis is None:
             scales, zeros = np.broadcast_to(scales, (1, n)), np.broadcast_to(zeros, (1, n))
-        fmt = UniformFormat(self.bits, self.group_size)
+        fmt = self.format
         kp, gs, groups = fmt.padded_k(k), fmt.group_size_for(k), fmt.num_groups(k)
         if scales.shape[0] > groups or scales.shape[1] != n or zeros.shape != scales.shape:
             raise QtvmError(f"{self.origin} has scales {list(scales.shape)} and zero points {list(zeros.shape)} "
@@ -89,7 +106,10 @@ class BlockQuantized:
         zero_codes = np.clip(np.round(z), 0, fmt.qmax).astype(np.uint32)
         full = np.repeat(zero_codes, gs, axis=0)  # padding rows: their group's zero code (weight ~0, x is 0 there)
         full[:k] = codes
-        arrays = {"qweight": fmt.pack(full), "scales": s, "zeros": z}
+        arrays = {"qweight": fmt.pack(full), "scales": s.astype(fmt.array_dtype("scales")),
+                  "zeros": z.astype(fmt.array_dtype("scales"))}
+        if isinstance(fmt, QZerosFormat):  # zero points packed as codes
+            arrays = fmt.from_float_zeros(QuantizedTensor(fmt, k, n, arrays)).arrays
         if self.g_idx is None or np.array_equal(self.g_idx, np.arange(k) // gs):
             return QuantizedTensor(fmt, k, n, arrays), None
         try:
@@ -112,3 +132,13 @@ class BlockQuantized:
             g = np.arange(length) // (self.group_size or length)
         w = (c - z[g].astype(np.float64)) * s[g].astype(np.float64)
         return np.moveaxis(w, 0, self.axis)
+
+
+def _float16_exact(*arrays: np.ndarray) -> bool:
+    """Every value of ``arrays`` finite and exactly a float16."""
+    for a in arrays:
+        a = np.asarray(a, np.float32)
+        with np.errstate(over="ignore"):
+            if not (np.isfinite(a).all() and np.array_equal(a.astype(np.float16).astype(np.float32), a)):
+                return False
+    return True

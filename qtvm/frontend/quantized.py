@@ -64,10 +64,8 @@ class LoweredModel:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        """e.g. 'MatMulNBits int4-g32 x2, DequantizeLinear int8-col x1'."""
-        from qtvm.formats.uniform import UniformFormat
-
-        counts = Counter(f"{self.kinds[m]} {UniformFormat(w.bits, w.group_size).name}" for m, w in self.weights.items())
+        """e.g. 'MatMulNBits int4-g32-qz x2, DequantizeLinear int8-col-qz x1' (the format each runs in)."""
+        counts = Counter(f"{self.kinds[m]} {w.format.name}" for m, w in self.weights.items())
         return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
 
 

@@ -130,7 +130,7 @@ def test_compiled_with_checkpoint_equals_dequantized_reference(checkpoint):
 
     tmp, model, path = checkpoint
     result = compile_model(tmp / "model.onnx", tmp / "q.so", "llvm -mcpu=znver3", "none", gptq=path)
-    assert result.metadata["prequantized"] == "GPTQ int4-g16 x1, GPTQ int4-g32 x1"
+    assert result.metadata["prequantized"] == "GPTQ int4-g16-f16 x1, GPTQ int4-g32-f16 x1"  # float16 scales, kept
     assert any("1 float tensors ignored" in n for n in result.notes)
     ck = GptqCheckpoint(path)
     up = ck.layer("model.layers.0.up", 96, 64).dequantize_reference()

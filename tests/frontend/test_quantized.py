@@ -82,8 +82,8 @@ def nbits_artefact(tmp_path_factory):
 def test_matmul_nbits_matches_onnxruntime(nbits_artefact):
     model, layers, module, result = nbits_artefact
     assert result.metadata["prequantized_matmuls"] == len(layers) == result.metadata["quantized_matmuls"]
-    assert "MatMulNBits int4-g16 x2" in result.metadata["prequantized"]
-    assert "MatMulNBits int8-g64 x1" in result.metadata["prequantized"]
+    assert "MatMulNBits int4-g16-qz x2" in result.metadata["prequantized"]
+    assert "MatMulNBits int8-g64-qz x1" in result.metadata["prequantized"]
     assert any("accuracy_level=1 noted" in note for note in result.notes)
     assert_matches_ort(module, ort_session(model), 70)
 
@@ -143,7 +143,7 @@ def test_blocked_dequantize_linear_int4_uint4(tmp_path):
                      opsets=OPSETS[:1])
     module, result = compile_and_load(model, tmp_path)
     assert result.metadata["prequantized_matmuls"] == 5
-    assert "DequantizeLinear int4-g48 x1" in result.metadata["prequantized"]
+    assert "DequantizeLinear int4-g48-qz x1" in result.metadata["prequantized"]
     assert not any("left in float" in n for n in result.notes), result.notes
     assert_matches_ort(module, ort_session(model), 70)
     assert_matches_ort(module, ort_session(model, optimized=False), 70)
@@ -171,7 +171,7 @@ def test_dynamic_quantization_runs_on_packed_kernels(tmp_path, per_channel):
     """quantize_dynamic's MatMulInteger (Gemm and MatMul): int8 codes on the fp32 kernels."""
     model = ort_dynamic(mlp_model(), tmp_path, per_channel)
     module, result = compile_and_load(model, tmp_path)
-    assert result.metadata["prequantized"] == "MatMulInteger int8-col x2"
+    assert result.metadata["prequantized"] == "MatMulInteger int8-col-f16 x2"  # unit scales: float16 holds them
     assert_matches_ort(module, ort_session(model), 100)
     assert_matches_ort(module, ort_session(model, optimized=False), 100)
 
@@ -181,7 +181,7 @@ def test_static_qdq_int8_runs_on_packed_kernels(tmp_path):
     along N) and of the MatMul become int8 per-column kernels; activations keep their Q/DQ."""
     model = ort_static_qdq(mlp_model(), tmp_path)
     module, result = compile_and_load(model, tmp_path)
-    assert result.metadata["prequantized"] == "DequantizeLinear int8-col x2"
+    assert result.metadata["prequantized"] == "DequantizeLinear int8-col-qz x2"
     assert_matches_ort(module, ort_session(model, optimized=False), 100)
     assert_matches_ort(module, ort_session(model), 100)
 

@@ -25,7 +25,7 @@ def test_markers_become_kernels_and_leave_the_signature():
     assert [p.name for p in mod["main"].params] == ["x"]
     assert int(mod["main"].attrs["num_input"]) == 1
     kernels = sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
-    assert kernels == ["qmatmul_gemm_int4_g32_64x64", "qmatmul_int4_g32_64x64"]  # one pair, shared by both layers
+    assert kernels == ["qmatmul_gemm_int4_g32_qz_64x64", "qmatmul_int4_g32_qz_64x64"]  # one pair, shared by both layers
     vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
     x = np.random.default_rng(0).standard_normal((5, 64))
     a, b = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x.astype(np.float32))))
