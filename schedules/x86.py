@@ -371,6 +371,9 @@ def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
     claim_chunks.mark(sch, jo)
 
 
+QUANT_TREE = 4  # the second level of the per-block reductions: lanes -> 4 -> 1
+
+
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
     """M x K elementwise work, small next to the matmul, in one pass per 32-value block: its
     |x| max and code sum as vector partials reduced by a short tree (a 16-step scalar chain
@@ -379,7 +382,7 @@ def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.targe
     The prefill form (row tiles) is parallel over rows; the GEMV form (M <= 2) is serial, as a
     parallel launch there costs more than the work (measured 2.7 -> 5.5 us at 2 threads, K =
     4096) and is one more point where a descheduled worker stalls the call."""
-    from schedules.x86_generic import rfactor_lanes, vector_lanes
+    from schedules.x86_generic import rfactor_lanes, vector_lanes, vectorize_partial
 
     if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "quantize_activations":
         return None
@@ -391,21 +394,15 @@ def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.targe
     row, block = sch.get_loops(sch.get_sblock("amax"))[:2]
     for rf in reversed(partials["amax"]):
         sch.compute_at(rf, block)
-    for name in ("inv", "xd", "xq", *partials["bsum"], "bsum"):
-        sch.reverse_compute_at(sch.get_sblock(name) if isinstance(name, str) else name, block)
+    consumers = [sch.get_sblock(name) for name in ("inv", "xd", "xq")] + partials["bsum"] + [sch.get_sblock("bsum")]
+    for consumer in consumers:
+        sch.reverse_compute_at(consumer, block)
     if int(func.attrs[ops.FORMAT_ATTR].get("row_tile", 1)) > 1:
         sch.parallel(row)
     for rf in partials["amax"] + partials["bsum"]:
-        lane, red = sch.get_loops(rf)[-2:]
-        sch.reorder(red, lane)
-        sch.vectorize(lane)  # before the init is split off: vectorize needs a whole reduction block
-        init = sch.decompose_reduction(rf, red)
-        sch.vectorize(sch.get_loops(init)[-1])
+        vectorize_partial(sch, rf, *sch.get_loops(rf)[-2:])
     sch.vectorize(sch.get_loops(sch.get_sblock("xq"))[-1])
     return sch
-
-
-QUANT_TREE = 4  # the second level of the per-block reductions: lanes -> 4 -> 1
 
 
 SPARSE_COLS = 64  # output columns per parallel task of the outlier kernel

@@ -580,12 +580,18 @@ def _schedule_rows(sch, root, reductions, lanes: int) -> bool:
         # compute_at rebuilt the nest in iterator order: lanes (rfactor's axis 0) first.
         loops = sch.get_loops(rf)
         lane = loops[[sch.get(lp).same_as(sch.get(row)) for lp in loops].index(True) + 1]
-        red = loops[-1]
-        sch.reorder(red, lane)
-        _vectorize(sch, lane)
-        init = sch.decompose_reduction(rf, red)
-        _vectorize(sch, sch.get_loops(init)[-1])
+        vectorize_partial(sch, rf, lane, loops[-1])
     return True
+
+
+def vectorize_partial(sch, rf, lane, red) -> None:
+    """An ``rfactor_lanes`` partial block: its reduction loop outside its lane loop, the lanes
+    one vector (before the init is split off: vectorize needs a whole reduction block), then
+    the init's lanes too."""
+    sch.reorder(red, lane)
+    _vectorize(sch, lane)
+    init = sch.decompose_reduction(rf, red)
+    _vectorize(sch, sch.get_loops(init)[-1])
 
 
 def rfactor_lanes(sch, block, lanes: int):

@@ -107,7 +107,7 @@ class BlockQuantized:
         full = np.repeat(zero_codes, gs, axis=0)  # padding rows: their group's zero code (weight ~0, x is 0 there)
         full[:k] = codes
         arrays = {"qweight": fmt.pack(full), "scales": s.astype(fmt.array_dtype("scales")),
-                  "zeros": z.astype(fmt.array_dtype("scales"))}
+                  "zeros": z.astype(fmt.array_dtype("zeros"))}
         if isinstance(fmt, QZerosFormat):  # zero points packed as codes
             arrays = fmt.from_float_zeros(QuantizedTensor(fmt, k, n, arrays)).arrays
         if self.g_idx is None or np.array_equal(self.g_idx, np.arange(k) // gs):

@@ -268,7 +268,7 @@ def gptq_quantize(w: np.ndarray, calib_x: np.ndarray, fmt: UniformFormat, *, blo
     stored = np.repeat(zeros, gs, axis=0).astype(np.uint32)  # padding rows: zero point, weight 0
     stored[:k][order] = codes
     arrays = {"qweight": fmt.pack(stored), "scales": scales.astype(fmt.array_dtype("scales")),
-              "zeros": zeros.astype(fmt.array_dtype("scales"))}  # the group rule's values: exact in its dtype
+              "zeros": zeros.astype(fmt.array_dtype("zeros"))}  # the group rule's values: exact in its dtype
     if act_order:
         g_idx = np.empty(k, np.int32)
         g_idx[order] = np.arange(k) // gs
