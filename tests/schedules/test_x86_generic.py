@@ -216,3 +216,35 @@ def test_softmax_over_whole_vectors_of_a_symbol_is_vectorized():
             built["main"](*args, *([cols // 64] if split else []))
             want = np.exp(a - a.max(1, keepdims=True))
             np.testing.assert_allclose(args[1].numpy(), want / want.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_isnan_is_a_vector_bit_test(dtype):
+    """torch's attention exports guard softmax with where(isnan(p), 0, p): the rule rewrites
+    isnan as a test on the bits, so the loop is vectorized (TVM's vectorizer scalarized it
+    whole), with numpy's isnan on every class of value: NaNs of any sign and payload, the
+    infinities, the largest finite value, subnormals, zeros."""
+    n = tirx.Var("n", "int64")
+    x = te.placeholder((3, n), dtype, name="x")
+    y = te.compute((3, n), lambda i, j: tirx.Select(tirx.isnan(x[i, j]), tirx.const(0, dtype), x[i, j]), name="y")
+    scheduled = schedule_generic_func(te.create_prim_func([x, y]), lanes=16)
+    assert is_scheduled(scheduled)
+    script = scheduled.script()
+    assert "isnan" not in script and "T.vectorized" in script
+    built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
+                        target=tvm.target.Target({"kind": "llvm"})).mod
+    info = np.finfo(dtype)
+    bits = np.dtype(f"uint{info.bits}")
+    nan_bits = np.array([np.nan, -np.nan], dtype).view(bits)
+    quiet = bits.type(1 << (info.nmant - 1))
+    payloads = np.concatenate([nan_bits | 1, (nan_bits ^ quiet) | 1]).view(dtype)  # quiet and signalling
+    special = np.concatenate([np.array([np.nan, -np.nan, np.inf, -np.inf, info.max, -info.max, info.tiny,
+                                        info.smallest_subnormal, -info.smallest_subnormal, 0.0, -0.0, 1.5], dtype),
+                              payloads])
+    assert np.isnan(payloads).all()
+    for cols in (len(special), 37, 64):
+        a = np.resize(special, 3 * cols).reshape(3, cols).astype(dtype)
+        out = tvm.runtime.tensor(np.ones_like(a))
+        built["main"](tvm.runtime.tensor(a), out)
+        want = np.where(np.isnan(a), np.zeros_like(a), a)
+        np.testing.assert_array_equal(out.numpy().view(bits), want.view(bits))
