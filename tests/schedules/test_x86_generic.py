@@ -96,6 +96,11 @@ def test_rule_schedules_the_generic_ops(modules):
     assert all('scope="local"' in s and "T.vectorized" in s for s in matmuls)
     # Softmax / RMSNorm: exp rewritten (no scalar libm call left) and rows vectorized.
     assert not any("T.exp(" in s or "T.sigmoid(" in s for s in scripts.values())
+    # Attention on every thread: both matmuls and the softmax parallel over the heads; the
+    # rest (rows over symbolic batch x seq only) serial.
+    parallel = {n for n, s in scripts.items() if "T.parallel" in s}
+    assert all("T.parallel" in s for s in matmuls)
+    assert any("softmax" in n for n in parallel) and len(parallel) == 3
     # The packed kernels were left exactly as quantize_weights scheduled them.
     kernels = [f for f in funcs.values() if "qtvm.kernel" in (f.attrs or {})]
     assert kernels and all(f.attrs.get("op_pattern") == 8 for f in kernels)
