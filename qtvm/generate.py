@@ -87,6 +87,7 @@ class KVSession:
         self._order = [s["name"] for s in module.inputs]
         self._ids_name, self._positions_name = info["ids"], info.get("positions")
         self._step = module._vm[info["function"]]
+        self._step_last = module._vm[info["last_function"]] if info.get("last_function") else None
         self._shape = tvm_ffi.Shape
         # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
         self._rows = {}
@@ -145,10 +146,12 @@ class KVSession:
         return full[:, :, :self.length].copy()
 
     # -- steps ---------------------------------------------------------------------------
-    def feed(self, ids, attention_mask=None) -> np.ndarray:
-        """Append ``ids`` ([batch, n] int64) and return their logits ([batch, n, vocab]).
-        ``attention_mask`` ([batch, n], 0 for padding such as a left-padded prompt)
-        defaults to ones. Past the maximum length nothing is written: QtvmError."""
+    def feed(self, ids, attention_mask=None, last: bool = False) -> np.ndarray:
+        """Append ``ids`` ([batch, n] int64) and return their logits ([batch, n, vocab]; with
+        ``last``, the last position's only, [batch, 1, vocab], computed for that row alone
+        where the artefact has ``relay_passes.last_logits``' step). ``attention_mask``
+        ([batch, n], 0 for padding such as a left-padded prompt) defaults to ones. Past the
+        maximum length nothing is written: QtvmError."""
         ids = np.ascontiguousarray(ids, dtype=np.int64) if not isinstance(ids, np.ndarray) or \
             ids.dtype != np.int64 else np.ascontiguousarray(ids)
         if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] < 1:
@@ -177,9 +180,10 @@ class KVSession:
             at[0][...] = positions_from_mask(m[:, :total], n)
             fed[self._positions_name] = at[1]
         args = [fed[name] if name in fed else views[name] for name in self._order]
-        logits = self._step(*args, self._shape((self.length, layout // self.pad)))
+        step = self._step_last if last and n > 1 and self._step_last is not None else self._step
+        logits = np.from_dlpack(step(*args, self._shape((self.length, layout // self.pad))))
         self.length = total
-        return np.from_dlpack(logits)  # the VM's own fresh output: a view, no copy
+        return logits[:, -1:] if last else logits  # the VM's own fresh output: a view, no copy
 
 
 class ConcatSession:
@@ -208,7 +212,7 @@ class ConcatSession:
                        for s in self._caches}
         self._mask_values = np.zeros((batch, 0), np.int64)
 
-    def feed(self, ids, attention_mask=None) -> np.ndarray:
+    def feed(self, ids, attention_mask=None, last: bool = False) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         n = ids.shape[1]
         if self.length + n > self.max_length:
@@ -222,7 +226,7 @@ class ConcatSession:
         out = self.module.run(feeds)
         self._state = {c["name"]: out[p] for c, p in zip(self._caches, self._presents)}
         self._mask_values, self.length = mask, self.length + n
-        return out[self._logits]
+        return out[self._logits][:, -1:] if last else out[self._logits]
 
 
 def session(module, batch: int = 1, max_length: int | None = None):
@@ -254,7 +258,7 @@ def generate(module, input_ids, max_new_tokens: int, attention_mask=None, eos_to
                         f"generate fewer tokens (the model's position tables hold {model_limit})"
                         if model_limit is not None and s.max_length >= model_limit else
                         "generate fewer tokens, or recompile with a larger --max-length")
-    logits = s.feed(ids, attention_mask)
+    logits = s.feed(ids, attention_mask, last=True)
     out = [ids]
     done = np.zeros(ids.shape[0], bool)
     for i in range(max_new_tokens):
@@ -293,4 +297,26 @@ def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
         err = float(np.abs(got - want).max()) / (float(np.abs(want).max()) or 1.0)
         if err > tol:
             return f"cache '{name}' differs from main's present by {err:.2e}"
+    return None
+
+
+def check_last(module, seed: int = 0, tol: float = 1e-3) -> str | None:
+    """The last-position step (``relay_passes.last_logits``) against the step's last row:
+    a 5-token prompt then a 3-token one, at batch min(2, max_batch). None when they agree
+    within ``tol`` (relative to the largest logit), else what differed."""
+    info = module.metadata["kv_step"]
+    batch = min(2, int(info["max_batch"]))
+    if int(info["max_length"]) < 8:
+        return None
+    rng = np.random.default_rng(seed)
+    vocab = module.outputs[0]["shape"][-1]
+    high = vocab if isinstance(vocab, int) else 2
+    full, last = KVSession(module, batch), KVSession(module, batch)
+    for n in (5, 3):
+        ids = rng.integers(0, high, (batch, n)).astype(np.int64)
+        want, got = full.feed(ids)[:, -1:], last.feed(ids, last=True)
+        scale = float(np.abs(want).max()) or 1.0
+        err = float(np.abs(got - want).max()) / scale
+        if got.shape != want.shape or not np.isfinite(err) or err > tol:
+            return f"the last position's logits differ from the step's by {err:.2e} (relative), {n} tokens"
     return None

@@ -182,6 +182,12 @@ def _kv_step(mod, meta: dict, max_length: int | None, max_batch: int):
         raise QtvmError(f"--max-length {max_length} and --max-batch {max_batch} must both be >= 1")
     mod, info, note = add_kv_step(mod, max_length, max_batch)
     if info is not None:
+        from relay_passes.last_logits import LAST_FUNC, add_last_logits
+
+        mod, why = add_last_logits(mod, info["function"], info["seq"])
+        info = {**info, "last_function": LAST_FUNC if why is None else None}
+        if why is not None:
+            note = (note + "; " if note else "") + f"a prompt's logits are computed for every position ({why})"
         names = [i["name"] for i in meta["inputs"]]
         info = {**info, "caches": [names[i] for i in info["caches"]], "mask": names[info["mask"]],
                 "ids": names[info["ids"]],
@@ -211,6 +217,17 @@ def _check_kv_step(path, meta: dict) -> str | None:
 
     tol = 3e-2 if meta["activations"] == "int8" else 1e-3  # int8 rounding may flip on a 1e-7 difference
     return generate.check_step(Module(path), tol=tol)
+
+
+def _check_last(path, meta: dict) -> str | None:
+    """Run the last-position step against the step's last row here (``qtvm.generate.check_last``)."""
+    from qtvm import generate
+    from qtvm.runtime import Module
+
+    if not meta["kv_step"].get("last_function"):
+        return None
+    tol = 3e-2 if meta["activations"] == "int8" else 1e-3
+    return generate.check_last(Module(path), tol=tol)
 
 
 def _export(ex, path, toolchain) -> None:
@@ -296,14 +313,22 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
         _export(ex, tmp, toolchain)
         if meta.get("kv_step"):
             problem = _check_kv_step(tmp, meta) if toolchain is None and _runs_here(target) else "skip"
+            last_problem = _check_last(tmp, meta) if problem is None else None
             if problem == "skip":
                 notes.append("the KV-cache step was not run against main here (another machine's target)")
-            elif problem:  # the rewrite is not right for this model: ship main only
+            elif problem or last_problem:  # a rewrite is not right for this model: ship without it
                 from relay_passes.kv_cache import STEP_FUNC
+                from relay_passes.last_logits import LAST_FUNC
 
-                notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
-                del meta["kv_step"]
-                del mod[STEP_FUNC]
+                if problem:
+                    notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
+                    del meta["kv_step"]
+                    del mod[STEP_FUNC]
+                else:
+                    notes.append(f"a prompt's logits are computed for every position ({last_problem})")
+                    meta["kv_step"]["last_function"] = None
+                if LAST_FUNC in [gv.name_hint for gv in mod.get_global_vars()]:
+                    del mod[LAST_FUNC]
                 mod[METADATA_FUNC] = _metadata_function(meta)
                 Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping
                 _export(compile_relax(schedule_generic_ops(mod, target), target), tmp, toolchain)

@@ -253,7 +253,7 @@ class _Rewriter(PyExprMutator):
         choose = relax.If(relax.prim_value(m <= self.facts.gemv_max_rows), then, other)
         body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, choose)])], result)
         func = relax.Function([x], body, out_ty, is_pure=True)  # private: no global symbol
-        return self.builder_.add_func(func, f"qmatmul_dispatch_{len(self.report.layers)}")
+        return self.builder_.add_func(func, f"{DISPATCH_PREFIX}{len(self.report.layers)}")
 
     def _emit_sparse(self, x2, rows, qt: QuantizedTensor, csr):
         """Sparse fp16 outliers: a small gather-reduce, scheduled by TVM's defaults."""
@@ -268,6 +268,8 @@ class _Rewriter(PyExprMutator):
 
 
 ACTIVATIONS = ("fp32", "int8", "fp16", "fp16-acc16")
+#: Name prefix of the per-layer dispatch functions ([m, k] -> [m, n], each row on its own).
+DISPATCH_PREFIX = "qmatmul_dispatch_"
 
 
 def quantize_weights(mod: tvm.IRModule, fmt: QuantFormat | None, target: tvm.target.Target,

@@ -178,7 +178,7 @@ class QtvmEngine:
         clock = time.perf_counter
         s = self.module.session(prompt.shape[0])
         t0 = clock()
-        logits = s.feed(prompt)
+        logits = s.feed(prompt, last=True)  # generation's prefill: the next token's logits only
         t1 = clock()
         first = logits[:, -1]
         tokens = [first.argmax(-1)]
