@@ -272,17 +272,24 @@ def generate(module, input_ids, max_new_tokens: int, attention_mask=None, eos_to
     return np.concatenate(out, axis=1)
 
 
+def _check_setup(module, seed: int, tokens: int):
+    """(batch min(2, max_batch), a seeded generator, the token id bound) for a compile-time check
+    feeding ``tokens`` tokens; None where the cache holds fewer."""
+    info = module.metadata["kv_step"]
+    if int(info["max_length"]) < tokens:
+        return None
+    vocab = module.outputs[0]["shape"][-1]
+    return min(2, int(info["max_batch"])), np.random.default_rng(seed), vocab if isinstance(vocab, int) else 2
+
+
 def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
     """The step against ``main`` on random inputs: a 3-token prompt (past 0) then one
     token, at batch min(2, max_batch); logits and cache rows compared. None when they
     agree within ``tol`` (relative to the largest logit), else what differed."""
-    info = module.metadata["kv_step"]
-    batch = min(2, int(info["max_batch"]))
-    if int(info["max_length"]) < 4:
+    setup = _check_setup(module, seed, 4)
+    if setup is None:
         return None
-    rng = np.random.default_rng(seed)
-    vocab = module.outputs[0]["shape"][-1]
-    high = vocab if isinstance(vocab, int) else 2
+    batch, rng, high = setup
     reference = ConcatSession(module, batch)
     step = KVSession(module, batch)
     for n in (3, 1):
@@ -304,13 +311,10 @@ def check_last(module, seed: int = 0, tol: float = 1e-3) -> str | None:
     """The last-position step (``relay_passes.last_logits``) against the step's last row:
     a 5-token prompt then a 3-token one, at batch min(2, max_batch). None when they agree
     within ``tol`` (relative to the largest logit), else what differed."""
-    info = module.metadata["kv_step"]
-    batch = min(2, int(info["max_batch"]))
-    if int(info["max_length"]) < 8:
+    setup = _check_setup(module, seed, 8)
+    if setup is None:
         return None
-    rng = np.random.default_rng(seed)
-    vocab = module.outputs[0]["shape"][-1]
-    high = vocab if isinstance(vocab, int) else 2
+    batch, rng, high = setup
     full, last = KVSession(module, batch), KVSession(module, batch)
     for n in (5, 3):
         ids = rng.integers(0, high, (batch, n)).astype(np.int64)
