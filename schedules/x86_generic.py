@@ -196,8 +196,7 @@ def _exp_f32(x):
 #: float dtype -> (the int dtype of its width, all bits but the sign, +inf's bits)
 _NAN_BITS = {"float64": ("int64", 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
              "float32": ("int32", 0x7FFFFFFF, 0x7F800000),
-             "float16": ("int16", 0x7FFF, 0x7C00),
-             "bfloat16": ("int16", 0x7FFF, 0x7F80)}
+             "float16": ("int16", 0x7FFF, 0x7C00)}  # (TVM has no bfloat16 isnan)
 
 
 def _isnan_bits(x):

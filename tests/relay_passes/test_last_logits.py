@@ -102,3 +102,11 @@ def test_last_step_that_disagrees_is_dropped(tmp_path, monkeypatch):
     module = runtime.load(result.path)
     assert module.session(1)._step_last is None
     _last_matches_full(module, 1, (4, 1), tol=0)
+
+
+def test_builds_for_a_gpu_target(tmp_path):
+    """A CUDA build carries the last-position step too (compiled here; run where a GPU is)."""
+    path = tmp_path / "mini.onnx"
+    onnx.save(_mini_kv_model(), str(path))
+    result = compile_model(path, tmp_path / "mini_cuda.so", '{"kind": "cuda", "arch": "sm_80"}', "none")
+    assert result.metadata["kv_step"]["last_function"] == LAST_FUNC
