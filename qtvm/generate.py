@@ -282,6 +282,11 @@ def _check_setup(module, seed: int, tokens: int):
     return min(2, int(info["max_batch"])), np.random.default_rng(seed), vocab if isinstance(vocab, int) else 2
 
 
+def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| relative to the largest |want| (1 where that is 0)."""
+    return float(np.abs(got - want).max()) / (float(np.abs(want).max()) or 1.0)
+
+
 def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
     """The step against ``main`` on random inputs: a 3-token prompt (past 0) then one
     token, at batch min(2, max_batch); logits and cache rows compared. None when they
@@ -295,13 +300,11 @@ def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
     for n in (3, 1):
         ids = rng.integers(0, high, (batch, n)).astype(np.int64)
         want, got = reference.feed(ids), step.feed(ids)
-        scale = float(np.abs(want).max()) or 1.0
-        err = float(np.abs(got - want).max()) / scale
+        err = _relative_error(got, want)
         if not np.isfinite(err) or err > tol:
             return f"logits differ from main's by {err:.2e} (relative) at past {reference.length - n}, {n} tokens"
     for spec, name in zip(reference._caches, reference._state):
-        want, got = reference._state[name], step.cache(spec["name"])
-        err = float(np.abs(got - want).max()) / (float(np.abs(want).max()) or 1.0)
+        err = _relative_error(step.cache(spec["name"]), reference._state[name])
         if err > tol:
             return f"cache '{name}' differs from main's present by {err:.2e}"
     return None
@@ -319,8 +322,7 @@ def check_last(module, seed: int = 0, tol: float = 1e-3) -> str | None:
     for n in (5, 3):
         ids = rng.integers(0, high, (batch, n)).astype(np.int64)
         want, got = full.feed(ids)[:, -1:], last.feed(ids, last=True)
-        scale = float(np.abs(want).max()) or 1.0
-        err = float(np.abs(got - want).max()) / scale
-        if got.shape != want.shape or not np.isfinite(err) or err > tol:
+        err = _relative_error(got, want) if got.shape == want.shape else np.inf
+        if not np.isfinite(err) or err > tol:
             return f"the last position's logits differ from the step's by {err:.2e} (relative), {n} tokens"
     return None

@@ -317,18 +317,15 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
             if problem == "skip":
                 notes.append("the KV-cache step was not run against main here (another machine's target)")
             elif problem or last_problem:  # a rewrite is not right for this model: ship without it
-                from relay_passes.kv_cache import STEP_FUNC
-                from relay_passes.last_logits import LAST_FUNC
-
+                last = meta["kv_step"]["last_function"]
+                if last:  # derived from the step: goes with it, or alone
+                    del mod[last]
                 if problem:
                     notes.append(f"no in-place KV-cache step ({problem}): generation feeds the presents back")
-                    del meta["kv_step"]
-                    del mod[STEP_FUNC]
+                    del mod[meta.pop("kv_step")["function"]]
                 else:
                     notes.append(f"a prompt's logits are computed for every position ({last_problem})")
                     meta["kv_step"]["last_function"] = None
-                if LAST_FUNC in [gv.name_hint for gv in mod.get_global_vars()]:
-                    del mod[LAST_FUNC]
                 mod[METADATA_FUNC] = _metadata_function(meta)
                 Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping
                 _export(compile_relax(schedule_generic_ops(mod, target), target), tmp, toolchain)

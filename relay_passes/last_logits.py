@@ -18,6 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
+from relay_passes.kv_cache import _shape  # the step's own helper: a tensor type's dims, or None
 from relay_passes.quantize_weights import DISPATCH_PREFIX
 
 LAST_FUNC = "qtvm_kv_step_last"
@@ -42,11 +43,6 @@ def add_last_logits(mod: tvm.IRModule, step: str, seq: str) -> tuple[tvm.IRModul
     mod = mod.clone()
     mod[LAST_FUNC] = func.with_attr("global_symbol", LAST_FUNC)
     return mod, None
-
-
-def _shape(ty):
-    return list(ty.shape.values) if isinstance(ty, relax.TensorType) and isinstance(
-        getattr(ty, "shape", None), relax.ShapeExpr) else None
 
 
 def _is_const(e) -> bool:
