@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -574,6 +575,7 @@ def benchmark_peers(
     check: bool = True,
     peer_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     hot_iters: int = 200,
+    gap_s: float | None = None,
 ) -> dict:
     """Time each peer on each (K, N) shape with DRAM rotation, ``threads`` threads.
 
@@ -605,9 +607,13 @@ def benchmark_peers(
     With ``quiet_wait_s`` > 0 each round first waits (up to that long) for
     the machine's CPUs to be idle, so other processes' work is not charged
     to the peers; the busy fraction seen is recorded per round.
+    Before each peer's turn and each probe the process idles ``gap_s`` (default
+    ``harness.POOL_WIND_DOWN_S``), so no runtime's spinning pool is charged to the next.
     """
     from qtvm.bench import bandwidth, harness
 
+    if gap_s is None:
+        gap_s = harness.POOL_WIND_DOWN_S
     rng = np.random.default_rng(seed)
     results = []
     probes_by_shape: dict[str, list[float]] = {}
@@ -662,15 +668,18 @@ def benchmark_peers(
                 attempts += 1
                 if quiet_wait_s > 0:
                     busy_seen.append(harness.wait_for_quiet(quiet_wait_s)[0])
+                time.sleep(gap_s)
                 before = probe.measure(threads, repeats=2, streams=(1, 2, 4))
                 got: list[list[float]] = []
                 for j, copies in enumerate(rot):
+                    time.sleep(gap_s)
                     total_iters = max(min_iters, iters_per_copy * len(copies))
                     per_round = -(-total_iters // rounds)
                     got.append(harness.time_rotating(
                         lambda p: p.run(), copies, warmup=warmup, iters=per_round, touch_all=first
                     ))
                 first = False
+                time.sleep(gap_s)
                 after = probe.measure(threads, repeats=2, streams=(1, 2, 4))
                 ref_bw = max(ref_bw, before, after)
                 pending.append((got, before, after))
@@ -691,8 +700,11 @@ def benchmark_peers(
                     bw_probes += [before, after]
             bw_med = harness.median(bw_probes)
             probes_by_shape[f"{K}x{N}"] = bw_probes
-            hot = [_hot_seconds(base, hot_iters) for base in bases]
-            kernel_hot = [_kernel_hot_seconds(base, hot_iters) for base in bases]
+            hot, kernel_hot = [], []
+            for base in bases:
+                time.sleep(gap_s)
+                hot.append(_hot_seconds(base, hot_iters))
+                kernel_hot.append(_kernel_hot_seconds(base, hot_iters))
             for j, base in enumerate(bases):
                 extras: dict[str, Any] = {
                     "n_copies": len(rot[j]),
@@ -732,8 +744,6 @@ def _kernel_hot_seconds(peer: Peer, iters: int) -> float | None:
 
 def _hot_seconds(peer: Peer, iters: int) -> float | None:
     """10th percentile of ``iters`` single calls on one copy (cache-hot); None if iters < 1."""
-    import time
-
     if iters < 1:
         return None
     for _ in range(min(iters, 10)):  # warm the caches and the thread pool

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qtvm.bench.harness import POOL_WIND_DOWN_S
+
 DEFAULT_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N) of LLaMA-7B's projections
 DEFAULT_ROWS = (16, 64, 128)
 DEFAULT_FORMATS = ("int4-g128",)
@@ -306,16 +308,14 @@ def check(kernel: PrefillKernel, x: np.ndarray) -> float:
 
 
 def time_interleaved(kernels, rounds: int, budget_s: float, min_calls: int = 3,
-                     warmup_s: float = 0.2, gap_s: float = 0.1) -> list[tuple[list[float], list[float]]]:
+                     warmup_s: float = 0.2, gap_s: float = POOL_WIND_DOWN_S) -> list[tuple[list[float], list[float]]]:
     """Per kernel: (all call times in seconds, per-round medians), kernels bound already.
 
     Warm-up first (caches, lazily allocated buffers, thread pools started);
     then ``rounds`` rounds of A, B, C, ..., each kernel called for at least
     ``budget_s`` and ``min_calls`` times per round. Before each kernel's turn
-    the process idles ``gap_s``: the previous runtime's pool workers keep
-    spinning after its last call (measured here: TVM's ~50 ms of CPU, ORT's
-    ~20 ms, torch's ~4 ms), and on a 2-core machine they would take a core
-    from the next kernel's threads; then one untimed call.
+    the process idles ``gap_s`` (``harness.POOL_WIND_DOWN_S``: the previous
+    runtime's pool workers stop spinning); then one untimed call.
     """
     clock = time.perf_counter
     for k in kernels:

@@ -221,3 +221,21 @@ def test_benchmark_peers_rejects_rounds_with_low_bandwidth(monkeypatch):
     n = r["extras"]["n_copies"]
     assert n * 96 * 256 * 4 >= 300_000
     assert r["extras"]["n_samples"] == 2 * -(-max(4, 2 * n) // 2)  # only accepted rounds count
+
+
+def test_benchmark_peers_idles_before_each_turn(monkeypatch):
+    """Every peer's turn, every bandwidth probe and every cache-hot measurement follows an idle
+    gap, so the previous runtime's spinning pool is not charged to what comes next."""
+    from qtvm.bench import bandwidth, harness
+
+    events = []
+    monkeypatch.setattr(bandwidth.BandwidthProbe, "measure", lambda self, *a, **k: events.append("probe") or 10.0)
+    monkeypatch.setattr(peers.time, "sleep", lambda s: events.append(("sleep", s)))
+    real_rotating = harness.time_rotating
+    monkeypatch.setattr(harness, "time_rotating", lambda *a, **k: events.append("turn") or real_rotating(*a, **k))
+    peers.benchmark_peers([(256, 96)], 1, ["torch_fp32", "torch_fp32"], min_total_bytes=300_000,
+                          l3_bytes=16_384, probe_bytes=1 << 16, rounds=2, min_iters=4, gap_s=0.125, hot_iters=2)
+    timed = [i for i, e in enumerate(events) if e in ("probe", "turn")][1:]  # the first probe: the reference
+    assert len(timed) == 2 * (2 + 2)  # 2 rounds: a probe, 2 turns, a probe
+    assert all(events[i - 1] == ("sleep", 0.125) for i in timed)
+    assert events.count(("sleep", 0.125)) == len(timed) + 2  # and one before each peer's cache-hot timing
