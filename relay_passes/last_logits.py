@@ -68,7 +68,8 @@ def _row_input(call):
     if op in _ELEMENTWISE:
         tensors = [a for a in args if not _is_const(a)]
         consts = [a for a in args if _is_const(a)]
-        per_column = all(len(_shape(c.ty) or [0, 0]) <= 1 for c in consts)
+        dims = [_shape(c.ty) for c in consts]  # [] for a scalar (a softcap's 30.0)
+        per_column = all(d is not None and len(d) <= 1 for d in dims)
         return tensors[0] if len(tensors) == 1 and per_column else None
     return None
 

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from qtvm.pipeline import compile_model  # the compiler's TVM first (qtvm.runtime alone loads the runtime library)
-from tests.frontend.transformers_exports import EXPORTERS, FAMILIES, MORE_FAMILIES, feeds, is_decoder
+from tests.frontend.transformers_exports import EXPORTERS, FAMILIES, MORE_FAMILIES, NEWER_FAMILIES, feeds, is_decoder
 
 # (batch, seq): a single token (the GEMV path), a left-padded batch, a longer prefill.
 LENGTHS = [(1, 1), (2, 7), (1, 33)]
@@ -72,6 +72,16 @@ def test_more_families_match_onnxruntime(hf_model, hf_compiled, family, exporter
     assert [i["shape"] for i in result.metadata["inputs"]] == [["batch", "seq"], ["batch", "seq"]]
     tol = 1e-4 if quant == "none" else 1e-3
     _compare(result, hf_model(family, exporter), quant, [(b, s, 0) for b, s in LENGTHS + [(3, 5)]], tol)
+
+
+@pytest.mark.parametrize("family,exporter", sorted(NEWER_FAMILIES.items()))
+def test_newer_families_match_onnxruntime(hf_model, hf_compiled, family, exporter):
+    """Decoders newer than the corpus above, each with the ops its architecture adds (softcaps,
+    sliding windows, q/k norms, fused projections, layers without rotary, multipliers), at
+    four bindings of (batch, seq) with a left-padded row."""
+    result = hf_compiled(family, exporter, "none")
+    assert [i["shape"] for i in result.metadata["inputs"]] == [["batch", "seq"], ["batch", "seq"]]
+    _compare(result, hf_model(family, exporter), "none", [(b, s, 0) for b, s in LENGTHS + [(3, 5)]])
 
 
 @pytest.mark.parametrize("family,exporter", MODELS)

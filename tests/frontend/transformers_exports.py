@@ -27,7 +27,17 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert")
 #: cumulative sum of the mask, partial rotary, multi-query attention, relative position buckets,
 #: disentangled attention)
 MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta", "t5_encoder", "deberta_v2", "mpt")
-DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm", "gpt_neo")
+#: newer decoders, each checked with one exporter (``test_importer.test_newer_families_match_onnxruntime``):
+#: Gemma 2 (logit softcaps, alternating sliding-window layers, GELU-tanh), Gemma 3 (5:1 local and
+#: global layers with their own rotary bases, q/k norms), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused
+#: qkv and gate-up projections split), SmolLM3 (every 4th layer without rotary), OLMo 2 (norms after
+#: attention and MLP, q/k norms over all heads), Granite (embedding, residual, attention and logit
+#: multipliers), StarCoder2 (biases, LayerNorm, GELU MLP), Phi (partial rotary, parallel attention
+#: and MLP)
+NEWER_FAMILIES = {"gemma2": "dynamo", "gemma3": "legacy", "qwen3": "dynamo", "phi3": "legacy", "smollm3": "dynamo",
+                  "olmo2": "legacy", "granite": "dynamo", "starcoder2": "legacy", "phi": "dynamo"}
+DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm", "gpt_neo",
+            *NEWER_FAMILIES)
 EXPORTERS = ("legacy", "dynamo")
 #: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
 #: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
@@ -82,6 +92,8 @@ def build(family: str):
         model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                                                      attention_types=[[["global", "local"], 1]], window_size=8,
                                                      max_position_embeddings=256))
+    elif family in NEWER_FAMILIES:
+        model = _newer(tf, family, small)
     elif family == "minilm":
         from qtvm.models.minilm import package_model_dir
 
@@ -89,6 +101,27 @@ def build(family: str):
     else:
         raise ValueError(family)
     return model.eval()
+
+
+def _newer(tf, family: str, small: dict):
+    gqa = dict(num_key_value_heads=2, **small)
+    if family == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, sliding_window=4, **gqa))
+    if family == "gemma3":
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(head_dim=16, sliding_window=4, **gqa))
+    if family == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **gqa))
+    if family == "phi3":
+        return tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, **gqa))
+    if family == "smollm3":
+        return tf.SmolLM3ForCausalLM(tf.SmolLM3Config(pad_token_id=0, **gqa))
+    if family == "olmo2":
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(pad_token_id=0, **gqa))
+    if family == "granite":
+        return tf.GraniteForCausalLM(tf.GraniteConfig(**gqa))
+    if family == "starcoder2":
+        return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**gqa))
+    return tf.PhiForCausalLM(tf.PhiConfig(**small))
 
 
 def is_decoder(family: str) -> bool:

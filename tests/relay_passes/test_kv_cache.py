@@ -86,16 +86,18 @@ def test_step_structure(hf_model, exporter):
     assert not [n for n in notes if "KV" in n]
 
 
-@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
-def test_step_equals_main(hf_compiled, exporter):
+@pytest.mark.parametrize("family,exporter", [("llama", "legacy"), ("llama", "dynamo"), ("gemma2", "dynamo"),
+                                             ("gemma3", "legacy")])
+def test_step_equals_main(hf_compiled, family, exporter):
     """Logits and cache rows of the step equal main's logits and presents; the padded rows
-    (random values, mask 0) change nothing and are left as they were. Positions that are
+    (random values, mask 0) change nothing and are left as they were. Gemma 2 and 3 have
+    sliding-window layers (window 4 here: pasts of 3 to 67 reach past it and the 64-key pad). Positions that are
     themselves padding (the left-padded second row at past 0) attend to no key at all:
     their outputs mean nothing in either function (main averages over past + seq keys,
     the step over kv_length), so they are not compared."""
     from qtvm import runtime
 
-    module = runtime.load(hf_compiled("llama", exporter, "none", kv=True).path)
+    module = runtime.load(hf_compiled(family, exporter, "none", kv=True).path)
     rng = np.random.default_rng(1)
     for batch, seq, past in [(1, 1, 0), (2, 3, 0), (1, 1, 3), (2, 3, 3), (1, 1, 64), (2, 1, 63), (2, 3, 67)]:
         x = feeds(module.inputs, batch, seq, past, seed=past * 10 + seq + batch)

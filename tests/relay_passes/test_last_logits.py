@@ -30,11 +30,12 @@ def _last_matches_full(module, batch: int, lengths, tol: float, seed: int = 0) -
         assert err <= tol, f"{n} tokens at batch {batch}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
-def test_transformers_export_last_logits(hf_compiled, exporter):
+@pytest.mark.parametrize("family,exporter", [("llama", "legacy"), ("llama", "dynamo"), ("gemma2", "dynamo")])
+def test_transformers_export_last_logits(hf_compiled, family, exporter):
+    """Gemma 2: its logits end in a softcap (scalar constants) after a tied LM head."""
     from qtvm import runtime
 
-    result = hf_compiled("llama", exporter, "int4-g128", kv=True)
+    result = hf_compiled(family, exporter, "int4-g128", kv=True)
     assert result.metadata["kv_step"]["last_function"] == LAST_FUNC
     module = runtime.load(result.path)
     for batch in (1, 2):
@@ -110,3 +111,28 @@ def test_builds_for_a_gpu_target(tmp_path):
     onnx.save(_mini_kv_model(), str(path))
     result = compile_model(path, tmp_path / "mini_cuda.so", '{"kind": "cuda", "arch": "sm_80"}', "none")
     assert result.metadata["kv_step"]["last_function"] == LAST_FUNC
+
+
+def test_scalar_constants_keep_the_chain_row_wise():
+    """Gemma 2's final softcap (logits / 30, tanh, * 30) has scalar constants: a row-wise
+    chain (it once declined, taking a scalar for a matrix), and the last row matches."""
+    bb = relax.BlockBuilder()
+    seq = tvm.tirx.Var("seq", "int64")
+    x = relax.Var("x", relax.TensorType([2, seq, 8], "float32"))
+    rng = np.random.default_rng(0)
+    with bb.function("step", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.const(rng.standard_normal((8, 5)).astype(np.float32))))
+            y = bb.emit(relax.op.divide(y, relax.const(np.float32(30.0))))
+            y = bb.emit(relax.op.tanh(y))
+            out = bb.emit_output(relax.op.multiply(y, relax.const(np.float32(30.0))))
+        bb.emit_func_output(out)
+    mod, why = add_last_logits(bb.get(), "step", "seq")
+    assert why is None
+    exe = tvm.compile(mod, "llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    data = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    full = vm["step"](tvm.runtime.tensor(data)).numpy()
+    last = vm[LAST_FUNC](tvm.runtime.tensor(data)).numpy()
+    assert last.shape == (2, 1, 5)
+    np.testing.assert_allclose(last, full[:, -1:], rtol=1e-6, atol=1e-6)
