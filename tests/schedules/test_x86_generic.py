@@ -253,3 +253,38 @@ def test_isnan_is_a_vector_bit_test(dtype):
         built["main"](tvm.runtime.tensor(a), out)
         want = np.where(np.isnan(a), np.zeros_like(a), a)
         np.testing.assert_array_equal(out.numpy().view(bits), want.view(bits))
+
+
+def test_q_k_transposed_prefetches_its_key_rows():
+    """q @ K^T over keys kept transposed ([kv heads, head dim, 64 x blocks], the KV step's
+    layout): a tile reads one line of each of the head dim's rows, so a loop before the
+    reduction prefetches each row's line 4 lines ahead (the reduction loop itself stays free
+    of calls, so its register tile is not spilled). Same numbers as numpy, also where the
+    prefetch runs past the end of the keys; a constant key count gets no prefetch."""
+    from schedules.x86_generic import PREFETCH_MARK
+
+    blocks = tirx.Var("kv_blocks", "int64")
+    for length, marked in ((blocks * 64, True), (128, False)):
+        q = te.placeholder((1, 4, 8, 64), name="q")
+        keys = te.placeholder((1, 4, 64, length), name="keys")
+        r = te.reduce_axis((0, 64), name="r")
+        scores = te.compute((1, 4, 8, length), lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r),
+                            name="scores")
+        func = te.create_prim_func([q, keys, scores, blocks] if marked else [q, keys, scores])
+        scheduled = schedule_generic_func(func, 16)
+        text = scheduled.script()
+        assert is_scheduled(scheduled) and PREFETCH_MARK not in text
+        assert ("llvm.prefetch" in text) == marked
+        if marked:  # the prefetch loop, then the reduction loop holding no call
+            fetch, reduce = text.index("for r_ahead in range(64)"), text.index("for r in range(64)")
+            assert fetch < reduce and "llvm.prefetch" not in text[reduce:]
+            assert "T.address_of(keys[b, h, r_ahead, j_0 * T.int64(16) + T.int64(64)]), 0, 2, 1)" in text[fetch:reduce]
+        built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
+                            target=tvm.target.Target({"kind": "llvm"})).mod
+        rng = np.random.default_rng(5)
+        for n in ((64, 192, 1920) if marked else (128,)):
+            a = rng.standard_normal((1, 4, 8, 64)).astype(np.float32)
+            b = rng.standard_normal((1, 4, 64, n)).astype(np.float32)
+            out = tvm.runtime.tensor(np.zeros((1, 4, 8, n), np.float32))
+            built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, *([n // 64] if marked else []))
+            np.testing.assert_allclose(out.numpy(), a @ b, rtol=1e-4, atol=1e-4)
