@@ -251,8 +251,9 @@ def vectorizable_exp(func: tirx.PrimFunc) -> tirx.PrimFunc:
 PREFETCH_MARK = "qtvm_prefetch_lines"
 #: Lines ahead for ``q @ K^T`` over transposed keys (a tile reads one line of each of the head
 #: dim's 64 rows: more streams than the hardware prefetchers follow), into L2 (locality 2).
-#: Measured (Zen 4, 4 kv heads x 8 rows, DRAM-cold, interleaved): 1 thread 2 / 3 / 4 / 6 lines
-#: 1.11-1.32 / 1.14-1.28 / 1.08-1.33 / 1.03-1.28x at 128-1920 keys; 2 threads 4 lines 1.03-1.11x.
+#: Measured (Zen 4, DRAM-cold, interleaved, 128-1920 keys): 4 kv heads x 8 rows, 1 thread,
+#: 2 / 3 / 4 / 6 lines 1.11-1.32 / 1.14-1.28 / 1.08-1.33 / 1.03-1.28x, 2 threads 4 lines
+#: 1.03-1.11x; 32 heads x 1 row (no grouping), 4 lines 1.04-1.35x (1 thread), 1.08-1.10x (2).
 _QK_PREFETCH_LINES = 4
 _PREFETCH_LOCALITY = 2
 
@@ -281,7 +282,7 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
         plain = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations)
         ahead = tirx.Var(loop.loop_var.name + "_ahead", loop.loop_var.ty)
         address = _streamed_address(realizes[0], {**{v: tirx.const(0, v.ty) for v in inner_vars},
-                                                  loop.loop_var: ahead}, int(lines)) if len(realizes) == 1 else None
+                                                  loop.loop_var: ahead}, int(lines), params) if len(realizes) == 1 else None
         if address is None:
             return plain
         fetch = tirx.Evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, tirx.const(0, "int32"),
@@ -290,12 +291,14 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
         # memory (a store after every FMA, 2.3x the cache-hot time)
         return tirx.SeqStmt([tirx.For(ahead, loop.min, loop.extent, tirx.ForKind.SERIAL, fetch), plain])
 
+    params = list(func.params)
     return tvm_ffi.structural_map(func, (tirx.For, with_prefetch))
 
 
-def _streamed_address(realize, loops: dict, lines: int):
+def _streamed_address(realize, loops: dict, lines: int, params: list):
     """address_of(the streamed operand's element ``lines`` lines ahead) with the loop
-    variables replaced as ``loops`` says; None where the block has no such read."""
+    variables replaced as ``loops`` says; None where the block has no such read or it reads a
+    buffer of the function's own (a padded copy, written just before: in cache)."""
     import tvm_ffi
 
     block = realize.block
@@ -307,7 +310,7 @@ def _streamed_address(realize, loops: dict, lines: int):
     _walk(block.body.value, lambda e: loads.append(e) if isinstance(e, _LOAD) else None)
     streamed = [ld for ld in loads if not any(ld.source.same_as(w) for w in written)
                 and _uses(ld.indices[-1], spatial[-1])]
-    if len(streamed) != 1:
+    if len(streamed) != 1 or not any(streamed[0].source.same_as(p) for p in params):
         return None
     load = streamed[0]
     bound = {iv.var: v for iv, v in zip(block.iter_vars, realize.iter_values)}
@@ -576,7 +579,7 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     sch.unroll(t_i)
     for loop in (t_j, ji):
         _vectorize_vectors(sch, loop, lanes)
-    if whole and _const(cols) is None:  # q @ K^T over transposed keys: B's rows are as many streams
+    if _const(cols) is None:  # q @ K^T over transposed keys: B's rows are as many streams
         sch.annotate(k, PREFETCH_MARK, _QK_PREFETCH_LINES)
     if batch:  # before the init is split off: parallel needs whole reduction blocks
         _parallel_if_worth_it(sch, batch[-1], mm)

@@ -259,18 +259,24 @@ def test_q_k_transposed_prefetches_its_key_rows():
     """q @ K^T over keys kept transposed ([kv heads, head dim, 64 x blocks], the KV step's
     layout): a tile reads one line of each of the head dim's rows, so a loop before the
     reduction prefetches each row's line 4 lines ahead (the reduction loop itself stays free
-    of calls, so its register tile is not spilled). Same numbers as numpy, also where the
-    prefetch runs past the end of the keys; a constant key count gets no prefetch."""
+    of calls, so its register tile is not spilled), for grouped-query rows and for one row a
+    head alike. Same numbers as numpy, also where the prefetch runs past the end of the keys;
+    a constant key count gets no prefetch."""
     from schedules.x86_generic import PREFETCH_MARK
 
-    blocks = tirx.Var("kv_blocks", "int64")
-    for length, marked in ((blocks * 64, True), (128, False)):
-        q = te.placeholder((1, 4, 8, 64), name="q")
+    blocks, n_keys = tirx.Var("kv_blocks", "int64"), tirx.Var("n", "int64")
+    # grouped-query rows: whole tiles; one row per head: q padded to a tile, the keys read as
+    # they are; a key count not a multiple of the vector: the keys' padded copy (just written,
+    # in cache) is not prefetched
+    for length, rows, marked in ((blocks * 64, 8, True), (blocks * 64, 1, True), (128, 8, False),
+                                 (n_keys, 8, False)):
+        q = te.placeholder((1, 4, rows, 64), name="q")
         keys = te.placeholder((1, 4, 64, length), name="keys")
         r = te.reduce_axis((0, 64), name="r")
-        scores = te.compute((1, 4, 8, length), lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r),
-                            name="scores")
-        func = te.create_prim_func([q, keys, scores, blocks] if marked else [q, keys, scores])
+        scores = te.compute((1, 4, rows, length),
+                            lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r), name="scores")
+        with_blocks = not isinstance(length, (int, tirx.Var))
+        func = te.create_prim_func([q, keys, scores, blocks] if with_blocks else [q, keys, scores])
         scheduled = schedule_generic_func(func, 16)
         text = scheduled.script()
         assert is_scheduled(scheduled) and PREFETCH_MARK not in text
@@ -282,9 +288,9 @@ def test_q_k_transposed_prefetches_its_key_rows():
         built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
                             target=tvm.target.Target({"kind": "llvm"})).mod
         rng = np.random.default_rng(5)
-        for n in ((64, 192, 1920) if marked else (128,)):
-            a = rng.standard_normal((1, 4, 8, 64)).astype(np.float32)
+        for n in ((64, 192, 1920) if with_blocks else (length,) if isinstance(length, int) else (37, 200)):
+            a = rng.standard_normal((1, 4, rows, 64)).astype(np.float32)
             b = rng.standard_normal((1, 4, 64, n)).astype(np.float32)
-            out = tvm.runtime.tensor(np.zeros((1, 4, 8, n), np.float32))
-            built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, *([n // 64] if marked else []))
+            out = tvm.runtime.tensor(np.zeros((1, 4, rows, n), np.float32))
+            built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, *([n // 64] if with_blocks else []))
             np.testing.assert_allclose(out.numpy(), a @ b, rtol=1e-4, atol=1e-4)
