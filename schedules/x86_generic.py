@@ -265,6 +265,8 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
     iterator). A prefetch never faults: an address past the buffer's end is harmless."""
     import tvm_ffi
 
+    params = list(func.params)
+
     def with_prefetch(loop):
         lines = loop.annotations.get(PREFETCH_MARK) if loop.annotations else None
         if lines is None:
@@ -291,7 +293,6 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
         # memory (a store after every FMA, 2.3x the cache-hot time)
         return tirx.SeqStmt([tirx.For(ahead, loop.min, loop.extent, tirx.ForKind.SERIAL, fetch), plain])
 
-    params = list(func.params)
     return tvm_ffi.structural_map(func, (tirx.For, with_prefetch))
 
 
@@ -319,8 +320,8 @@ def _streamed_address(realize, loops: dict, lines: int, params: list):
         index = tvm_ffi.structural_map(index, (tirx.Var, lambda v: bound.get(v, v)))
         return tvm_ffi.structural_map(index, (tirx.Var, lambda v: loops.get(v, v)))
     indices = [at(i) for i in load.indices]
-    ahead = lines * 64 // (tvm.runtime.DataType(load.ty).bits // 8)
-    indices[-1] = tvm.sym.Analyzer().simplify(indices[-1] + tirx.const(ahead, indices[-1].ty))
+    elements = lines * 64 // (tvm.runtime.DataType(load.ty).bits // 8)
+    indices[-1] = tvm.sym.Analyzer().simplify(indices[-1] + tirx.const(elements, indices[-1].ty))
     return tirx.address_of(tirx.BufferLoad(load.source, indices))
 
 

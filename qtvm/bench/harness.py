@@ -133,10 +133,10 @@ def rotating_copies(
     return [make_copy(i) for i in range(n)]
 
 
-# Seconds to idle before a runtime's turn: the previous runtime's pool workers keep spinning
-# after its last call (measured on the Zen 4 VM: TVM ~50 ms of CPU, onnxruntime ~20 ms, torch
-# ~4 ms), and on a 2-core machine they take a core from the next kernel's threads (a 4096^2
-# int4 GEMV at 2 threads right after MatMulNBits: median +11%, p90 3.99 ms against 0.41).
+#: Seconds to idle before a runtime's turn: the previous runtime's pool workers keep spinning
+#: after its last call (measured on the Zen 4 VM: TVM ~50 ms of CPU, onnxruntime ~20 ms, torch
+#: ~4 ms), and on a 2-core machine they take a core from the next kernel's threads (a 4096^2
+#: int4 GEMV at 2 threads right after MatMulNBits: median +11%, p90 3.99 ms against 0.41).
 POOL_WIND_DOWN_S = 0.1
 
 
