@@ -48,6 +48,7 @@ Reshape-pattern functions are left alone: Relax makes them views.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import tvm
@@ -251,9 +252,9 @@ def vectorizable_exp(func: tirx.PrimFunc) -> tirx.PrimFunc:
 PREFETCH_MARK = "qtvm_prefetch_lines"
 #: Lines ahead for ``q @ K^T`` over transposed keys (a tile reads one line of each of the head
 #: dim's 64 rows: more streams than the hardware prefetchers follow), into L2 (locality 2).
-#: Measured (Zen 4, DRAM-cold, interleaved, 128-1920 keys): 4 kv heads x 8 rows, 1 thread,
-#: 2 / 3 / 4 / 6 lines 1.11-1.32 / 1.14-1.28 / 1.08-1.33 / 1.03-1.28x, 2 threads 4 lines
-#: 1.03-1.11x; 32 heads x 1 row (no grouping), 4 lines 1.04-1.35x (1 thread), 1.08-1.10x (2).
+#: Measured (Zen 4, DRAM-cold, interleaved, 128-1920 keys, against no prefetch): 4 kv heads x
+#: 8 rows 1.10-1.24x (1 thread), 1.06-1.15x (2); 32 heads x 1 row (no grouping) 1.15-1.55x and
+#: 1.05-1.25x; prefill tiles (64 and 512 rows) 1.01-1.06x. 2 / 3 / 6 lines measured alike.
 _QK_PREFETCH_LINES = 4
 _PREFETCH_LOCALITY = 2
 
@@ -266,6 +267,15 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
     import tvm_ffi
 
     params = list(func.params)
+    outer, stack = [], []  # (marked loop, the loops around it)
+
+    def enclosing(loop, visitor):
+        if loop.annotations and PREFETCH_MARK in loop.annotations:
+            outer.append((loop.loop_var, list(stack)))
+        stack.append(loop)
+        visitor.default_visit(loop)
+        stack.pop()
+    tvm_ffi.structural_visit(func.body, [(tirx.For, enclosing)])
 
     def with_prefetch(loop):
         lines = loop.annotations.get(PREFETCH_MARK) if loop.annotations else None
@@ -291,7 +301,15 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
                                                     tirx.const(_PREFETCH_LOCALITY, "int32"), tirx.const(1, "int32")))
         # a loop of its own before the marked one: inside it, LLVM kept the register tile in
         # memory (a store after every FMA, 2.3x the cache-hot time)
-        return tirx.SeqStmt([tirx.For(ahead, loop.min, loop.extent, tirx.ForKind.SERIAL, fetch), plain])
+        fetches = tirx.For(ahead, loop.min, loop.extent, tirx.ForKind.SERIAL, fetch)
+        # only on the first pass of an enclosing loop that reads the same lines again (a prefill's
+        # row tiles: later passes find them in cache, and the prefetches cost 0.81x at 512 rows)
+        around = next(loops for var, loops in outer if var.same_as(loop.loop_var))
+        again = [f for f in around if not any(_uses(i, f.loop_var) for i in address.args[0].indices)]
+        if again:
+            first = [tirx.EQ(f.loop_var, f.min) for f in again]
+            fetches = tirx.IfThenElse(functools.reduce(tirx.And, first), fetches, None)
+        return tirx.SeqStmt([fetches, plain])
 
     return tvm_ffi.structural_map(func, (tirx.For, with_prefetch))
 
@@ -580,7 +598,7 @@ def _schedule_matmul(sch, root, mm, lanes: int) -> bool:
     sch.unroll(t_i)
     for loop in (t_j, ji):
         _vectorize_vectors(sch, loop, lanes)
-    if _const(cols) is None:  # q @ K^T over transposed keys: B's rows are as many streams
+    if _const(cols) is None and _QK_PREFETCH_LINES:  # q @ K^T over transposed keys: B's rows are as many streams
         sch.annotate(k, PREFETCH_MARK, _QK_PREFETCH_LINES)
     if batch:  # before the init is split off: parallel needs whole reduction blocks
         _parallel_if_worth_it(sch, batch[-1], mm)
