@@ -210,24 +210,19 @@ def _check_max_length(meta: dict, info: dict, max_length: int) -> None:
                         f"use --max-length {top} or less (the default)")
 
 
-def _check_kv_step(path, meta: dict) -> str | None:
-    """Run the exported step against main here (see qtvm.generate.check_step)."""
+def _check_kv_functions(path, meta: dict) -> tuple[str | None, str | None]:
+    """Run the exported step against main, then (where it agrees and the artefact has one) the
+    last-position step against the step's last row, here, on one load of the artefact
+    (``qtvm.generate.check_step`` and ``check_last``): what differed in each, or None."""
     from qtvm import generate
     from qtvm.runtime import Module
 
+    module = Module(path)
     tol = 3e-2 if meta["activations"] == "int8" else 1e-3  # int8 rounding may flip on a 1e-7 difference
-    return generate.check_step(Module(path), tol=tol)
-
-
-def _check_last(path, meta: dict) -> str | None:
-    """Run the last-position step against the step's last row here (``qtvm.generate.check_last``)."""
-    from qtvm import generate
-    from qtvm.runtime import Module
-
-    if not meta["kv_step"].get("last_function"):
-        return None
-    tol = 3e-2 if meta["activations"] == "int8" else 1e-3
-    return generate.check_last(Module(path), tol=tol)
+    problem = generate.check_step(module, tol=tol)
+    if problem is not None or not meta["kv_step"].get("last_function"):
+        return problem, None
+    return None, generate.check_last(module, tol=tol)
 
 
 def _export(ex, path, toolchain) -> None:
@@ -312,8 +307,8 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     try:
         _export(ex, tmp, toolchain)
         if meta.get("kv_step"):
-            problem = _check_kv_step(tmp, meta) if toolchain is None and _runs_here(target) else "skip"
-            last_problem = _check_last(tmp, meta) if problem is None else None
+            problem, last_problem = (_check_kv_functions(tmp, meta) if toolchain is None and _runs_here(target)
+                                     else ("skip", None))
             if problem == "skip":
                 notes.append("the KV-cache step was not run against main here (another machine's target)")
             elif problem or last_problem:  # a rewrite is not right for this model: ship without it
