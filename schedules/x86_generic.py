@@ -267,57 +267,68 @@ def prefetch_marked_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
     import tvm_ffi
 
     params = list(func.params)
-    outer, stack = [], []  # (marked loop, the loops around it)
+    fetches, stack = [], []  # (marked loop's variable, its prefetch loop or None); loops entered
 
-    def enclosing(loop, visitor):
+    def plan(loop, visitor):
         if loop.annotations and PREFETCH_MARK in loop.annotations:
-            outer.append((loop.loop_var, list(stack)))
+            fetches.append((loop.loop_var, _prefetch_before(loop, stack, params)))
         stack.append(loop)
         visitor.default_visit(loop)
         stack.pop()
-    tvm_ffi.structural_visit(func.body, [(tirx.For, enclosing)])
+    tvm_ffi.structural_visit(func.body, [(tirx.For, plan)])
 
     def with_prefetch(loop):
-        lines = loop.annotations.get(PREFETCH_MARK) if loop.annotations else None
-        if lines is None:
+        if not loop.annotations or PREFETCH_MARK not in loop.annotations:
             return loop
-        inner_vars, realizes = [], []
-
-        def visit(node, visitor):
-            if isinstance(node, tirx.For):
-                inner_vars.append(node.loop_var)
-            else:
-                realizes.append(node)
-            visitor.default_visit(node)
-        tvm_ffi.structural_visit(loop.body, [(tirx.For, visit), (s_tir.stmt.SBlockRealize, visit)])
         annotations = {k: v for k, v in loop.annotations.items() if k != PREFETCH_MARK}
         plain = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations)
-        ahead = tirx.Var(loop.loop_var.name + "_ahead", loop.loop_var.ty)
-        address = _streamed_address(realizes[0], {**{v: tirx.const(0, v.ty) for v in inner_vars},
-                                                  loop.loop_var: ahead}, int(lines), params) if len(realizes) == 1 else None
-        if address is None:
-            return plain
-        fetch = tirx.Evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, tirx.const(0, "int32"),
-                                                    tirx.const(_PREFETCH_LOCALITY, "int32"), tirx.const(1, "int32")))
-        # a loop of its own before the marked one: inside it, LLVM kept the register tile in
-        # memory (a store after every FMA, 2.3x the cache-hot time)
-        fetches = tirx.For(ahead, loop.min, loop.extent, tirx.ForKind.SERIAL, fetch)
-        # only on the first pass of an enclosing loop that reads the same lines again (a prefill's
-        # row tiles: later passes find them in cache, and the prefetches cost 0.81x at 512 rows)
-        around = next(loops for var, loops in outer if var.same_as(loop.loop_var))
-        again = [f for f in around if not any(_uses(i, f.loop_var) for i in address.args[0].indices)]
-        if again:
-            first = [tirx.EQ(f.loop_var, f.min) for f in again]
-            fetches = tirx.IfThenElse(functools.reduce(tirx.And, first), fetches, None)
-        return tirx.SeqStmt([fetches, plain])
+        fetch = next(f for var, f in fetches if var.same_as(loop.loop_var))
+        return plain if fetch is None else tirx.SeqStmt([fetch, plain])
 
     return tvm_ffi.structural_map(func, (tirx.For, with_prefetch))
 
 
-def _streamed_address(realize, loops: dict, lines: int, params: list):
-    """address_of(the streamed operand's element ``lines`` lines ahead) with the loop
-    variables replaced as ``loops`` says; None where the block has no such read or it reads a
-    buffer of the function's own (a padded copy, written just before: in cache)."""
+def _prefetch_before(loop, around: list, params: list):
+    """The prefetch loop to put before the marked ``loop`` (inside the loops ``around``), or
+    None where its block has no streamed function operand."""
+    import tvm_ffi
+
+    inner_vars, realizes = [], []
+
+    def visit(node, visitor):
+        if isinstance(node, tirx.For):
+            inner_vars.append(node.loop_var)
+        else:
+            realizes.append(node)
+        visitor.default_visit(node)
+    tvm_ffi.structural_visit(loop.body, [(tirx.For, visit), (s_tir.stmt.SBlockRealize, visit)])
+    if len(realizes) != 1:
+        return None
+    ahead = tirx.Var(loop.loop_var.name + "_ahead", loop.loop_var.ty)
+    first_inner = {v: tirx.const(0, v.ty) for v in inner_vars}
+    target = _streamed_load(realizes[0], {**first_inner, loop.loop_var: ahead},
+                            int(loop.annotations[PREFETCH_MARK]), params)
+    if target is None:
+        return None
+    fetch = tirx.Evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", tirx.address_of(target),
+                                                tirx.const(0, "int32"), tirx.const(_PREFETCH_LOCALITY, "int32"),
+                                                tirx.const(1, "int32")))
+    # a loop of its own before the marked one: inside it, LLVM kept the register tile in
+    # memory (a store after every FMA, 2.3x the cache-hot time)
+    fetches = tirx.For(ahead, loop.min, loop.extent, tirx.ForKind.SERIAL, fetch)
+    # only on the first pass of an enclosing loop that reads the same lines again (a prefill's
+    # row tiles: later passes find them in cache, and the prefetches cost 0.81x at 512 rows)
+    again = [f for f in around if not any(_uses(i, f.loop_var) for i in target.indices)]
+    if again:
+        first = [tirx.EQ(f.loop_var, f.min) for f in again]
+        fetches = tirx.IfThenElse(functools.reduce(tirx.And, first), fetches, None)
+    return fetches
+
+
+def _streamed_load(realize, loops: dict, lines: int, params: list):
+    """The streamed operand's element ``lines`` lines ahead (a load, its loop variables
+    replaced as ``loops`` says); None where the block has no such read or it reads a buffer
+    of the function's own (a padded copy, written just before: in cache)."""
     import tvm_ffi
 
     block = realize.block
@@ -340,7 +351,7 @@ def _streamed_address(realize, loops: dict, lines: int, params: list):
     indices = [at(i) for i in load.indices]
     elements = lines * 64 // (tvm.runtime.DataType(load.ty).bits // 8)
     indices[-1] = tvm.sym.Analyzer().simplify(indices[-1] + tirx.const(elements, indices[-1].ty))
-    return tirx.address_of(tirx.BufferLoad(load.source, indices))
+    return tirx.BufferLoad(load.source, indices)
 
 
 # --------------------------------------------------------------------------- analysis
