@@ -317,9 +317,9 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
     column vector is unpacked once and dotted with every row (QIGen's micro-GEMV tile:
     rows broadcasts + vecs codes + rows * vecs accumulators fit the registers).
 
-    Every tile sum is bound (``Bind``) before any store to C: C is a workspace buffer that
-    LLVM cannot prove distinct from W, so a store between two W loads would force the
-    loads and unpacks to be redone."""
+    Every tile sum is bound (``Bind``) before any store to C: where C is a workspace buffer
+    (an output tile over TVM's 1024-byte stack limit), LLVM cannot prove it distinct from
+    W, and a store between two W loads would force the loads and unpacks to be redone."""
     lanes = ISAS[isa]
     cols, i32v = lanes * vecs, f"int32x{lanes}"
 
@@ -327,7 +327,7 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
     def desc(a: T.handle, w: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (rows, BLOCK), "int8", offset_factor=1)
         W = T.match_buffer(w, (bits, cols), "int32", offset_factor=1)
-        C = T.match_buffer(c, (rows, cols), "int32", offset_factor=1, scope="local")
+        C = T.match_buffer(c, (rows, cols), "int32", offset_factor=1)
         with T.sblock("root"):
             T.reads(C[0:rows, 0:cols], A[0:rows, 0:BLOCK], W[0:bits, 0:cols])
             T.writes(C[0:rows, 0:cols])
@@ -341,7 +341,7 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
         sa, s0, sc = T.int64(), T.int64(), T.int64()
         A = T.match_buffer(a, (rows, BLOCK), "int8", offset_factor=1, strides=[sa, 1])
         W = T.match_buffer(w, (bits, cols), "int32", offset_factor=1, strides=[s0, 1])
-        C = T.match_buffer(c, (rows, cols), "int32", offset_factor=1, scope="local", strides=[sc, 1])
+        C = T.match_buffer(c, (rows, cols), "int32", offset_factor=1, strides=[sc, 1])
         with T.sblock("root"):
             T.reads(C[0:rows, 0:cols], A[0:rows, 0:BLOCK], W[0:bits, 0:cols])
             T.writes(C[0:rows, 0:cols])
@@ -374,10 +374,12 @@ def _with_block_body(func, body):
 
 
 # Register tiles of the prefill intrinsic, per ISA: rows x vectors of int32 accumulators.
-# VNNI: 4 x 4 (16 of 32 zmm, a 64-column block per call). pmaddubsw + pmaddwd need two
-# temporaries per dot: AVX-512BW 4 x 2 and AVX2 4 x 1 (4 x 4 and 4 x 2 spilled, checked in asm).
+# One call's columns are the prefill's output tile (``schedules.x86.prefill_tile_cols``):
+# its dots and float partials fit the registers beside the codes. AVX-512: 4 x 2 (4 x 4 in
+# a 64-column tile kept them in memory, 1.6x slower on Zen 4). pmaddubsw + pmaddwd need two
+# temporaries per dot: AVX2 4 x 1 (4 x 2 spilled, checked in asm).
 ROW_TILE = 4
-TILE_VECS = {"avx512vnni": 4, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
+TILE_VECS = {"avx512vnni": 2, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 
 
 def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:

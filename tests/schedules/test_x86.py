@@ -282,3 +282,28 @@ def test_activation_quantizer_vectorized_writes_the_rounding_numpy_does(isa, pre
     sums = (xd * codes.sum(-1)).reshape(xq.shape[0], -1, per_group).sum(-1)
     np.testing.assert_allclose(xs, sums, rtol=1e-6, atol=1e-30)
     assert (xq[m:] == 0).all() and (xd[m:] == 0).all()  # the row tile's padding rows
+
+
+def _stores(loop: list[str]) -> list[str]:
+    """Instructions of an AT&T-syntax loop body that write memory (destination last)."""
+    return [ins for ins in loop if ins.split()[0] not in ("cmpq", "prefetcht0", "prefetcht1", "prefetcht2")
+            and "(" in ins.rsplit(",", 1)[-1]]
+
+
+@pytest.mark.parametrize("preset", ["int4-g128", "int3-g128", "int2-g64"])
+@pytest.mark.parametrize("isa,marker", [("avx512vnni", "vpdpbusd"), ("avx512bw", "vpmaddubsw"), ("avx2", "vpmaddubsw")])
+def test_prefill_tile_keeps_its_sums_in_registers(preset, isa, marker):
+    """One loop does a block's dots, their conversion and the group partial's FMA, with few
+    stores (spills) per dot: the tile's int32 dots and float partials live in registers
+    (``x86.prefill_tile_cols``). A 64-column tile stored and reloaded them every block: 48-61
+    stores per 128 VNNI dots, and on AVX2 / AVX-512BW a loop of its own for the conversion;
+    now 0-4 per 64 (VNNI), 7-10 per 64 (AVX-512BW), 2 per 32 (AVX2)."""
+    from qtvm.bench.asm_loops import hot_loop
+
+    func = ops.qmatmul_a8_gemm_func(get_format(preset), 1024, 256, NB, intrin.ROW_TILE)
+    target = ISA_TARGETS[isa]
+    asm = tvm.compile(x86.schedule_qmatmul_a8_gemm_x86(func, target).mod, target=target).mod.inspect_source("asm")
+    loop = hot_loop(asm, marker)
+    assert {"vcvtdq2ps", "vfmadd231ps"} <= {ins.split()[0] for ins in loop}
+    dots = sum(ins.split()[0] == marker for ins in loop)
+    assert len(_stores(loop)) <= dots // 4, _stores(loop)[:4]
