@@ -296,3 +296,38 @@ def test_q_k_transposed_prefetches_its_key_rows():
             out = tvm.runtime.tensor(np.zeros((1, 4, rows, n), np.float32))
             built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, *([n // 64] if with_blocks else []))
             np.testing.assert_allclose(out.numpy(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_q_k_transposed_packs_key_panels_for_many_rows():
+    """Prefill's q @ K^T (grouped-query rows, seq x 8 a kv head): from 64 rows on, column
+    tiles outermost, each tile's keys copied once into a contiguous panel that every row tile
+    reads (the keys' rows, the key count apart, thrash L1 at 512 or 1024 keys); below (decode)
+    the streaming nest with its key-row prefetch. Both nests against numpy, at row counts
+    either side of the threshold and key counts that alias in L1 (1024) or not; rows that are
+    not whole tiles (one row a head, padded) keep the one nest."""
+    seq, blocks = tirx.Var("seq", "int64"), tirx.Var("kv_blocks", "int64")
+    for group in (8, 1):
+        q = te.placeholder((1, 4, seq * group, 64), name="q")
+        keys = te.placeholder((1, 4, 64, blocks * 64), name="keys")
+        r = te.reduce_axis((0, 64), name="r")
+        scores = te.compute((1, 4, seq * group, blocks * 64),
+                            lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r), name="scores")
+        scaled = te.compute(scores.shape, lambda *i: scores(*i) * tirx.const(0.125, "float32"), name="scaled")
+        scheduled = schedule_generic_func(te.create_prim_func([q, keys, scaled, seq, blocks]), 16)
+        text = scheduled.script()
+        if group == 8:
+            packed, streamed = text.split("    else:\n")
+            assert f"if seq * T.int64({group}) >= T.int64(64):" in packed
+            assert 'T.sblock("keys_global")' in packed and "llvm.prefetch" not in packed
+            assert "keys_global" not in streamed and "llvm.prefetch" in streamed
+        else:
+            assert "keys_global" not in text and " >= T.int64(64):" not in text
+        built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
+                            target=tvm.target.Target({"kind": "llvm"})).mod
+        rng = np.random.default_rng(group)
+        for s, n in ((1, 1024), (7, 192), (8, 1024), (8, 64), (33, 1088), (70, 1024)):
+            a = rng.standard_normal((1, 4, s * group, 64)).astype(np.float32)
+            b = rng.standard_normal((1, 4, 64, n)).astype(np.float32)
+            out = tvm.runtime.tensor(np.full((1, 4, s * group, n), np.nan, np.float32))
+            built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, s, n // 64)
+            np.testing.assert_allclose(out.numpy(), (a @ b) * 0.125, rtol=1e-4, atol=1e-4)
