@@ -474,7 +474,7 @@ def _apply_rules(sch: s_tir.Schedule, lanes: int, packed: dict | None = None) ->
     if not blocks:
         return False
     for b in blocks:
-        if "?" in _iter_kinds(sch, b) or len(sch.get_loops(b)) != len(sch.get(b).iter_vars):
+        if "?" in _iter_kinds(sch, b) or not _untransformed(sch, b):
             return False  # scans, opaque blocks or already transformed loop nests
     _inline_producers(sch, root)
     blocks = sch.get_child_blocks(root)
@@ -491,6 +491,13 @@ def _apply_rules(sch: s_tir.Schedule, lanes: int, packed: dict | None = None) ->
     if len(reductions) == 1 and _is_column_reduction(sch, reductions[0]):
         return _schedule_column_reduction(sch, root, reductions[0], lanes)
     return _schedule_rows(sch, root, reductions, lanes)
+
+
+def _untransformed(sch, block) -> bool:
+    """A loop per iterator, or none at all for a block of unit iterators (a scalar such as
+    the past length a KV step reshapes to a 0-d tensor, which TVM writes without a loop)."""
+    loops, iters = sch.get_loops(block), sch.get(block).iter_vars
+    return len(loops) == len(iters) or not loops and all(_const(iv.dom.extent) == 1 for iv in iters)
 
 
 def _inline_producers(sch, root) -> None:

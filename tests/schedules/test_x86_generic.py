@@ -331,3 +331,39 @@ def test_q_k_transposed_packs_key_panels_for_many_rows():
             out = tvm.runtime.tensor(np.full((1, 4, s * group, n), np.nan, np.float32))
             built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, s, n // 64)
             np.testing.assert_allclose(out.numpy(), (a @ b) * 0.125, rtol=1e-4, atol=1e-4)
+
+
+_SCALAR_THEN_MASK = '''
+# from tvm.script import tirx as T
+@T.prim_func(s_tir=True)
+def main(past: T.Buffer((T.int64(1),), "int64"), x: T.Buffer((T.int64(4), "blocks * T.int64(16)"), "float32"),
+         blocks: T.int64, y: T.Buffer((T.int64(4), blocks * T.int64(16)), "float32")):
+    scalar = T.sblock_alloc_buffer((), "int64")
+    with T.sblock("scalar"):
+        vi = T.axis.spatial(T.int64(1), T.int64(0))
+        scalar[()] = past[T.int64(0)]
+    for i, j in T.grid(T.int64(4), blocks * T.int64(16)):
+        with T.sblock("masked"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            y[vi, vj] = T.Select(vj <= scalar[()] + vi, x[vi, vj], T.float32(-3.0e38))
+'''
+
+
+def test_a_scalar_written_without_a_loop_does_not_stop_the_rule():
+    """A KV step's causal mask starts from the past length reshaped to a 0-d tensor, a block
+    with a unit iterator and no loop: the rule took it for a transformed nest and left the
+    whole function to TVM's scalar serial loops (a 1024-token prefill's mask add, 1.4x slower).
+    Scheduled now, vectorized, with the default loops' numbers."""
+    func = tvm.script.from_source(_SCALAR_THEN_MASK)
+    scheduled = schedule_generic_func(func, 16)
+    assert scheduled is not None and is_scheduled(scheduled) and "T.vectorized" in scheduled.script()
+    target = tvm.target.Target({"kind": "llvm"})
+    built = [tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target).mod["main"]
+             for f in (func, scheduled)]
+    rng = np.random.default_rng(3)
+    for blocks, past in ((1, 0), (3, 5), (4, 63)):
+        x = tvm.runtime.tensor(rng.standard_normal((4, 16 * blocks)).astype(np.float32))
+        outs = [tvm.runtime.tensor(np.full((4, 16 * blocks), np.nan, np.float32)) for _ in built]
+        for fn, out in zip(built, outs):
+            fn(tvm.runtime.tensor(np.array([past], np.int64)), x, blocks, out)
+        np.testing.assert_array_equal(outs[0].numpy(), outs[1].numpy())
