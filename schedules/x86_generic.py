@@ -69,7 +69,8 @@ _MM_ACCUMULATORS = {16: 16, 8: 8}
 #: Rows of a ``q @ K^T`` slice from which its packed form runs (``_schedule_matmul``):
 #: prefill's (decode has 1-8 rows a kv head).
 _PACK_MIN_ROWS = 64
-#: A constant-shaped function with fewer innermost iterations than this stays serial.
+#: A constant-shaped function with fewer innermost iterations than this stays serial; an
+#: elementwise one of symbolic size runs its parallel nest from this many elements on.
 _PARALLEL_MIN_WORK = 1 << 18
 #: Calls whose cost is far above a load or an FMA: a producer using one is only inlined
 #: where it is computed once per element anyway.
@@ -149,16 +150,22 @@ def _mark_kernels_opaque(mod: tvm.IRModule) -> tvm.IRModule:
 
 def schedule_generic_func(func: tirx.PrimFunc, lanes: int = 8, fast_exp: bool = True) -> tirx.PrimFunc | None:
     """The scheduled function (marked ``tir.is_scheduled``), or None when no rule fits.
-    A function whose matmul has a packed form for many rows (``_schedule_matmul``) holds
-    both loop nests, chosen at run time by its row count."""
+    Where a rule has a second form for large symbolic sizes (prefill's, against decode's:
+    ``_schedule_matmul``'s packed keys, ``_parallel_injective``), the function holds both
+    loop nests, chosen at run time by the condition the rule gives."""
     scheduled = _scheduled(func, lanes)
     if scheduled is None:
         return None
-    packed = {}  # the packed form's row count, set by the matmul rule where it applies
-    many_rows = _scheduled(func, lanes, packed)
-    if many_rows is not None and "rows" in packed:
-        body = tirx.IfThenElse(packed["rows"] >= _PACK_MIN_ROWS, _fresh_body(many_rows, func), scheduled.body)
-        scheduled = scheduled.with_body(body)
+    variant = {}  # "when": the condition of the second form, set by a rule that has one
+    large = _scheduled(func, lanes, variant)
+    if large is not None and "when" in variant:
+        # inside the root block: Relax's passes read a PrimFunc's body as one (HasReshapePattern)
+        realize = scheduled.body
+        root = realize.block
+        choose = tirx.IfThenElse(variant["when"], _fresh_body(large, func), root.body)
+        root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, choose, root.init,
+                            root.alloc_buffers, root.match_buffers, root.annotations)
+        scheduled = scheduled.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, root))
     if fast_exp:  # after scheduling, so the inliner still sees exp as expensive
         scheduled = vectorizable_exp(scheduled)
     return scheduled.with_attr("tir.is_scheduled", True)
@@ -181,10 +188,10 @@ def _fresh_body(scheduled: tirx.PrimFunc, func: tirx.PrimFunc):
     return tvm_ffi.structural_map(fresh.body, (tirx.Var, lambda var: params.get(var, var)))
 
 
-def _scheduled(func: tirx.PrimFunc, lanes: int, packed: dict | None = None) -> tirx.PrimFunc | None:
+def _scheduled(func: tirx.PrimFunc, lanes: int, variant: dict | None = None) -> tirx.PrimFunc | None:
     sch = s_tir.Schedule(func)
     try:
-        if not _apply_rules(sch, lanes, packed):
+        if not _apply_rules(sch, lanes, variant):
             return None
     except Exception as err:  # noqa: BLE001 -- TVM raises several kinds; default loops are still correct
         _LOG.debug("x86_generic: no schedule for %s: %s", func.attrs.get("global_symbol") if func.attrs else "?",
@@ -464,8 +471,9 @@ def _is_broadcast_into(sch, producer, consumer) -> bool:
 
 # --------------------------------------------------------------------------- rules
 
-def _apply_rules(sch: s_tir.Schedule, lanes: int, packed: dict | None = None) -> bool:
-    """``packed`` (a dict): only a matmul's packed form (``_schedule_matmul``), else False."""
+def _apply_rules(sch: s_tir.Schedule, lanes: int, variant: dict | None = None) -> bool:
+    """``variant`` (a dict): only a rule's form for large sizes (``schedule_generic_func``),
+    else False."""
     body = sch.mod["main"].body
     if not isinstance(body, s_tir.stmt.SBlockRealize) or body.block.name_hint != "root":
         return False  # hand-written (opaque) loop nests such as cumsum
@@ -479,9 +487,11 @@ def _apply_rules(sch: s_tir.Schedule, lanes: int, packed: dict | None = None) ->
     _inline_producers(sch, root)
     blocks = sch.get_child_blocks(root)
     reductions = [b for b in blocks if "R" in _iter_kinds(sch, b)]
-    if packed is not None:
+    if variant is not None:
+        if not reductions:
+            return _parallel_injective(sch, blocks, lanes, variant)
         return len(reductions) == 1 and _is_matmul(sch, reductions[0]) and \
-            _schedule_matmul(sch, root, reductions[0], lanes, packed)
+            _schedule_matmul(sch, root, reductions[0], lanes, variant)
     if not reductions:
         for b in blocks:
             _schedule_injective(sch, b, lanes)
@@ -599,6 +609,33 @@ def _schedule_injective(sch, block, lanes: int) -> None:
     _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
 
 
+def _parallel_injective(sch, blocks, lanes: int, variant: dict) -> bool:
+    """The form for many elements of an elementwise function of symbolic size: each block
+    as ``_schedule_injective`` with an outer loop parallel (the first of a constant extent
+    >= 2, such as the heads, else the innermost symbolic one, such as seq), from
+    ``_PARALLEL_MIN_WORK`` elements on (``variant["when"]``): prefill's SwiGLU, RoPE and
+    mask add; decode's few elements stay serial, where a parallel launch costs more than
+    the work. False for a constant size. The e2e LLaMA at 2 threads (Zen 4, its second vCPU
+    adding little bandwidth): prefill 0.966x (1024 tokens), 0.974x (128); decode level."""
+    work = None
+    for block in blocks:
+        *outer, inner = sch.get_loops(block)
+        extents = [_extent(sch, loop) for loop in outer]
+        if not outer or all(_const(e) is not None for e in extents + [_extent(sch, inner)]):
+            return False
+        wide = [loop for loop, e in zip(outer, extents) if _const(e) is not None and _const(e) >= 2]
+        symbolic = [loop for loop, e in zip(outer, extents) if _const(e) is None]
+        size = functools.reduce(lambda a, b: a * b, extents, _extent(sch, inner))
+        work = size if work is None else work + size
+        pick = (wide or symbolic[-1:] or [None])[0]
+        if pick is None:
+            return False
+        _schedule_injective(sch, block, lanes)
+        sch.parallel(pick)
+    variant["when"] = work >= _PARALLEL_MIN_WORK
+    return True
+
+
 def _is_matmul(sch, block) -> bool:
     """``C[.., i, j] += A[.., i, k] * B[.., k, j]`` with j the last index of C and B."""
     stmt = sch.get(block)
@@ -629,8 +666,8 @@ def _schedule_matmul(sch, root, mm, lanes: int, packed: dict | None = None) -> b
     apart, and at 512 or 1024 keys (2 or 4 KiB) all of a tile's lines fall in a few L1 sets
     and thrash, so each row tile read them from L2 (Zen 4, 1 thread, 4 kv heads, 1024 rows:
     2.06-2.12x at 1024 and 2048 keys, 1.16x at 512, 0.97-1.03x at 128, 768, 1280, 1920).
-    Decode's few rows stream B once from DRAM, where the copy cost 0.51-0.76x: the caller
-    runs this form from ``_PACK_MIN_ROWS`` rows on (``packed["rows"]``: the row count).
+    Decode's few rows stream B once from DRAM, where the copy cost 0.51-0.84x: the caller
+    runs this form from ``_PACK_MIN_ROWS`` rows on (``packed["when"]``).
 
     Rows and columns are padded (``pad_einsum``: per-slice zero-padded copies of the
     operands) to whole tiles, so the accumulator tile has a constant shape and SROA keeps
@@ -644,7 +681,7 @@ def _schedule_matmul(sch, root, mm, lanes: int, packed: dict | None = None) -> b
     if packed is not None:
         if not whole or _const(cols) is not None or _const(rows) is not None:
             return False
-        packed["rows"] = rows
+        packed["when"] = rows >= _PACK_MIN_ROWS
     if whole:  # whole tiles already (GQA rows kv_heads x seq): no padded copies, no copy-out
         producers, crop = [], None
     else:

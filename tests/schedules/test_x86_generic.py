@@ -97,10 +97,15 @@ def test_rule_schedules_the_generic_ops(modules):
     # Softmax / RMSNorm: exp rewritten (no scalar libm call left) and rows vectorized.
     assert not any("T.exp(" in s or "T.sigmoid(" in s for s in scripts.values())
     # Attention on every thread: both matmuls and the softmax parallel over the heads; the
-    # rest (rows over symbolic batch x seq only) serial.
+    # elementwise functions parallel from 2^18 elements on (prefill), serial below (decode:
+    # the else branch); the rest (rows over symbolic batch x seq only) serial.
     parallel = {n for n, s in scripts.items() if "T.parallel" in s}
     assert all("T.parallel" in s for s in matmuls)
-    assert any("softmax" in n for n in parallel) and len(parallel) == 3
+    attention = {n for n in parallel if "softmax" in n or scripts[n] in matmuls}
+    assert any("softmax" in n for n in attention) and len(attention) == 3
+    for name in parallel - attention:
+        large, small = scripts[name].split("\n    else:\n")
+        assert ">= T.int64(262144):" in large and "T.parallel" in large and "T.parallel" not in small
     # The packed kernels were left exactly as quantize_weights scheduled them.
     kernels = [f for f in funcs.values() if "qtvm.kernel" in (f.attrs or {})]
     assert kernels and all(f.attrs.get("op_pattern") == 8 for f in kernels)
@@ -316,7 +321,7 @@ def test_q_k_transposed_packs_key_panels_for_many_rows():
         scheduled = schedule_generic_func(te.create_prim_func([q, keys, scaled, seq, blocks]), 16)
         text = scheduled.script()
         if group == 8:
-            packed, streamed = text.split("    else:\n")
+            packed, streamed = text.split("\n    else:\n")
             assert f"if seq * T.int64({group}) >= T.int64(64):" in packed
             assert 'T.sblock("keys_global")' in packed and "llvm.prefetch" not in packed
             assert "keys_global" not in streamed and "llvm.prefetch" in streamed
@@ -353,7 +358,8 @@ def test_a_scalar_written_without_a_loop_does_not_stop_the_rule():
     """A KV step's causal mask starts from the past length reshaped to a 0-d tensor, a block
     with a unit iterator and no loop: the rule took it for a transformed nest and left the
     whole function to TVM's scalar serial loops (a 1024-token prefill's mask add, 1.4x slower).
-    Scheduled now, vectorized, with the default loops' numbers."""
+    Scheduled now, vectorized, with the default loops' numbers (serial, and parallel over
+    rows from 2^18 elements: ``_parallel_injective``)."""
     func = tvm.script.from_source(_SCALAR_THEN_MASK)
     scheduled = schedule_generic_func(func, 16)
     assert scheduled is not None and is_scheduled(scheduled) and "T.vectorized" in scheduled.script()
@@ -361,7 +367,7 @@ def test_a_scalar_written_without_a_loop_does_not_stop_the_rule():
     built = [tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target).mod["main"]
              for f in (func, scheduled)]
     rng = np.random.default_rng(3)
-    for blocks, past in ((1, 0), (3, 5), (4, 63)):
+    for blocks, past in ((1, 0), (3, 5), (4, 63), (4096, 1000)):  # the last: 2^18 elements, parallel
         x = tvm.runtime.tensor(rng.standard_normal((4, 16 * blocks)).astype(np.float32))
         outs = [tvm.runtime.tensor(np.full((4, 16 * blocks), np.nan, np.float32)) for _ in built]
         for fn, out in zip(built, outs):
