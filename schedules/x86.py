@@ -364,8 +364,7 @@ def apply_qmatmul_a8_gemm_x86(sch: s_tir.Schedule, target: tvm.target.Target, *,
         sch.add_unit_loop(acc)
     acc_r, acc_j, acc_g = sch.get_loops(acc)[-3:]
     sch.reorder(acc_g, acc_r, acc_j)
-    loop, blocks = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.ISAS[isa] * intrin.TILE_VECS[isa], True,
-                                       scope="global")
+    loop, blocks = _a8_groups_and_dots(sch, desc, acc, acc_g, acc_j, intrin.tile_cols(isa), True, scope="global")
     prefetch = a8_prefetch(target, prefill=True) if prefetch is None else prefetch
     sch.tensorize(loop, intrin.tile_intrin_name(bits, isa, prefetch_rows(prefetch, nb)))  # no GFNI: see there
     _unroll(sch, blocks, unroll)
@@ -384,7 +383,7 @@ def prefill_tile_cols(isa: str, nb: int) -> int:
     between 110 and 170 GOPS."""
     from qtvm.intrin import x86 as intrin
 
-    cols = intrin.ISAS[isa] * intrin.TILE_VECS[isa]
+    cols = intrin.tile_cols(isa)
     return cols if nb % cols == 0 else nb
 
 

@@ -382,6 +382,11 @@ ROW_TILE = 4
 TILE_VECS = {"avx512vnni": 2, "avx512bw": 2, "avxvnni": 2, "avx2": 1}
 
 
+def tile_cols(isa: str) -> int:
+    """Columns of one call of the prefill tile."""
+    return ISAS[isa] * TILE_VECS[isa]
+
+
 def tile_intrin_name(bits: int, isa: str, prefetch=None) -> str:
     """The prefill tile's name; ``prefetch`` as in ``intrin_name``. No GFNI variant: the tile
     unpacks each unit once for 4 rows, and with ``vgf2p8affineqb`` it measured 1.44x slower
