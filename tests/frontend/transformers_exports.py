@@ -109,8 +109,8 @@ def _newer(tf, family: str, small: dict):
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, sliding_window=4, **gqa))
     if family == "gemma3":
         return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(head_dim=16, sliding_window=4, **gqa))
-    if family == "qwen3":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **gqa))
+    if family == "qwen3":  # 8 heads on 2 kv heads: grouped rows of 4 heads (whole register tiles)
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **dict(gqa, num_attention_heads=8)))
     if family == "phi3":
         return tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, **gqa))
     if family == "smollm3":
@@ -155,7 +155,7 @@ def kv_shape(model) -> tuple[int, int, int]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     if cfg.model_type == "falcon" and not cfg.new_decoder_architecture:
         kv_heads = 1 if cfg.multi_query else heads  # its num_kv_heads is read by the new architecture only
-    return cfg.num_hidden_layers, kv_heads, cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
 
 def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False, mask: bool = True) -> pathlib.Path:
