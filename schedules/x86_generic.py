@@ -159,13 +159,11 @@ def schedule_generic_func(func: tirx.PrimFunc, lanes: int = 8, fast_exp: bool = 
     variant = {}  # "when": the condition of the second form, set by a rule that has one
     large = _scheduled(func, lanes, variant)
     if large is not None and "when" in variant:
+        from qtvm.intrin.x86 import _with_block_body
+
         # inside the root block: Relax's passes read a PrimFunc's body as one (HasReshapePattern)
-        realize = scheduled.body
-        root = realize.block
-        choose = tirx.IfThenElse(variant["when"], _fresh_body(large, func), root.body)
-        root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, choose, root.init,
-                            root.alloc_buffers, root.match_buffers, root.annotations)
-        scheduled = scheduled.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, root))
+        choose = tirx.IfThenElse(variant["when"], _fresh_body(large, func), scheduled.body.block.body)
+        scheduled = _with_block_body(scheduled, choose)
     if fast_exp:  # after scheduling, so the inliner still sees exp as expensive
         scheduled = vectorizable_exp(scheduled)
     return scheduled.with_attr("tir.is_scheduled", True)
