@@ -20,6 +20,12 @@ from schedules.x86_generic import is_scheduled, schedule_generic_func, schedule_
 SHAPES = [(1, 1), (2, 1), (1, 16), (1, 33), (3, 17), (2, 64)]
 
 
+def _compiled(func, target=None):
+    """``func`` built alone (as ``main``) for ``target``, plain LLVM by default: its runtime module."""
+    target = target or tvm.target.Target({"kind": "llvm"})
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target).mod
+
+
 @pytest.fixture(scope="module")
 def target():
     return parse_target("host")
@@ -126,7 +132,7 @@ def test_vectorizable_exp_is_accurate(target):
     s = te.compute((n,), lambda i: te.sigmoid(x[i]), name="s")
     func = schedule_generic_func(te.create_prim_func([x, e, s]), lanes=8)
     assert func is not None and "T.exp(" not in func.script()
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    lib = _compiled(func, target)
     special = [np.inf, -np.inf, np.nan, 88.8, -104.0, 0.0]
     xs = np.concatenate([np.linspace(-87, 88.7, 100_003), special]).astype(np.float32)
     args = [tvm.runtime.tensor(xs), tvm.runtime.tensor(np.zeros_like(xs)), tvm.runtime.tensor(np.zeros_like(xs))]
@@ -186,9 +192,7 @@ def test_attention_tile_spans_a_short_constant_row(lanes, cols, row_vectors):
     assert _row_vectors(n * 64, lanes) == 1
     scheduled = schedule_generic_func(func, lanes)
     assert is_scheduled(scheduled)
-    target = tvm.target.Target({"kind": "llvm"})
-    built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target).mod
-    default = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target).mod
+    built, default = _compiled(scheduled), _compiled(func)
     rng = np.random.default_rng(cols)
     for m, length in ((1, 5), (8, 37), (7, 128)):
         a = rng.standard_normal((heads, m, length)).astype(np.float32)
@@ -217,8 +221,7 @@ def test_softmax_over_whole_vectors_of_a_symbol_is_vectorized():
         scheduled = schedule_generic_func(func, 16)
         assert is_scheduled(scheduled) and ("top_rf" in scheduled.script()) == split
         assert ("total_rf" in scheduled.script()) == split
-        target = tvm.target.Target({"kind": "llvm"})
-        built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target).mod
+        built = _compiled(scheduled)
         rng = np.random.default_rng(3)
         for cols in (64, 192, 1920):
             a = (4 * rng.standard_normal((3, cols))).astype(np.float32)
@@ -241,8 +244,7 @@ def test_isnan_is_a_vector_bit_test(dtype):
     assert is_scheduled(scheduled)
     script = scheduled.script()
     assert "isnan" not in script and "T.vectorized" in script
-    built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
-                        target=tvm.target.Target({"kind": "llvm"})).mod
+    built = _compiled(scheduled)
     info = np.finfo(dtype)
     bits = np.dtype(f"uint{info.bits}")
     nan_bits = np.array([np.nan, -np.nan], dtype).view(bits)
@@ -292,8 +294,7 @@ def test_q_k_transposed_prefetches_its_key_rows():
             assert "T.address_of(keys[b, h, r_ahead, j_0 * T.int64(16) + T.int64(64)]), 0, 2, 1)" in text[fetch:reduce]
             if rows == 8:  # two row tiles read the same keys: the second finds them in cache
                 assert text.rindex("if i_0 == 0:", 0, fetch) > text.rindex("for i_0, j_0", 0, fetch)
-        built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
-                            target=tvm.target.Target({"kind": "llvm"})).mod
+        built = _compiled(scheduled)
         rng = np.random.default_rng(5)
         for n in ((64, 192, 1920) if with_blocks else (length,) if isinstance(length, int) else (37, 200)):
             a = rng.standard_normal((1, 4, rows, 64)).astype(np.float32)
@@ -327,8 +328,7 @@ def test_q_k_transposed_packs_key_panels_for_many_rows():
             assert "keys_global" not in streamed and "llvm.prefetch" in streamed
         else:
             assert "keys_global" not in text and " >= T.int64(64):" not in text
-        built = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
-                            target=tvm.target.Target({"kind": "llvm"})).mod
+        built = _compiled(scheduled)
         rng = np.random.default_rng(group)
         for s, n in ((1, 1024), (7, 192), (8, 1024), (8, 64), (33, 1088), (70, 1024)):
             a = rng.standard_normal((1, 4, s * group, 64)).astype(np.float32)
@@ -363,9 +363,7 @@ def test_a_scalar_written_without_a_loop_does_not_stop_the_rule():
     func = tvm.script.from_source(_SCALAR_THEN_MASK)
     scheduled = schedule_generic_func(func, 16)
     assert scheduled is not None and is_scheduled(scheduled) and "T.vectorized" in scheduled.script()
-    target = tvm.target.Target({"kind": "llvm"})
-    built = [tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target).mod["main"]
-             for f in (func, scheduled)]
+    built = [_compiled(f)["main"] for f in (func, scheduled)]
     rng = np.random.default_rng(3)
     for blocks, past in ((1, 0), (3, 5), (4, 63), (4096, 1000)):  # the last: 2^18 elements, parallel
         x = tvm.runtime.tensor(rng.standard_normal((4, 16 * blocks)).astype(np.float32))
