@@ -235,13 +235,17 @@ class BenchResult:
         return dataclasses.replace(self, pct_of_bandwidth=pct)
 
     def to_dict(self) -> dict[str, Any]:
+        """``shape`` is (N, K); ``k`` and ``n`` say so in the JSON (a table of it once read the
+        shape as K x N and swapped the two non-square rows)."""
         d = dataclasses.asdict(self)
         d["shape"] = list(self.shape)
+        d["n"], d["k"] = self.shape
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BenchResult":
         d = dict(d)
+        d.pop("n", None), d.pop("k", None)
         d["shape"] = tuple(d["shape"])
         d.setdefault("extras", {})
         return cls(**d)
@@ -283,7 +287,7 @@ def format_table(
 ) -> str:
     """Aligned text table of results.
 
-    Columns: kernel, format, N, K, threads, median us, GB/s of weight bytes,
+    Columns: kernel, format, K, N, threads, median us, GB/s of weight bytes,
     % of the measured read bandwidth at that thread count (from
     ``bandwidth_by_threads``, else the row's own figure), and -- when
     ``baseline`` names a kernel or format (or is a predicate) -- the speedup
@@ -292,7 +296,7 @@ def format_table(
     names keys of ``BenchResult.extras`` to show as further columns.
     """
     bw = {int(k): float(v) for k, v in (bandwidth_by_threads or {}).items()}
-    headers = ["kernel", "format", "N", "K", "thr", "median_us", "GB/s", "%BW"]
+    headers = ["kernel", "format", "K", "N", "thr", "median_us", "GB/s", "%BW"]
     if baseline is not None:
         headers.append("vs_base")
     headers += list(extras)
@@ -302,8 +306,8 @@ def format_table(
         cells = [
             r.kernel,
             r.fmt,
+            str(r.shape[1]),  # shape is (N, K); shown K first, as shapes are given (KxN)
             str(r.shape[0]),
-            str(r.shape[1]),
             str(r.threads),
             f"{r.median_us:.1f}",
             f"{r.gbps:.2f}",

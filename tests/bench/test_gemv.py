@@ -92,3 +92,16 @@ def test_timed_call_looks_nothing_up(act, monkeypatch):
     monkeypatch.setattr(tvm_ffi.Module, "get_function", refuse)
     peer.run()
     assert np.isfinite(peer.output()).all()
+
+
+def test_rows_whose_bandwidth_moved_are_named():
+    """A row timed while the host's bandwidth read far from the start probe (the 2-vCPU VM's
+    vCPUs on separate memory paths: probes at 70 GB/s against 37) is named, K before N."""
+    from qtvm.bench import harness
+
+    def row(n, k, probes):
+        return harness.BenchResult.from_times("q", (n, k), "f", 2, [1e-3], 1000, bw_probe_gbps=probes)
+
+    moved = gemv.bandwidth_moved([row(4096, 11008, [70.0, 72.0]), row(11008, 4096, [36.0, 38.0])], {2: 37.0})
+    assert moved == ["K 11008 x N 4096 at 2 thr: probes 71.0 GB/s against 37.0"]
+    assert gemv.bandwidth_moved([row(4096, 4096, [36.0])], {1: 37.0}) == []  # no start probe at 2 threads

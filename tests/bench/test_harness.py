@@ -176,6 +176,19 @@ def test_table_extra_columns():
     assert "42.2" in text.splitlines()[3] or "42.3" in text.splitlines()[3]
 
 
+def test_table_and_json_name_k_and_n():
+    """A result's shape is (N, K); the table shows K then N under those headers and the JSON
+    carries ``k`` and ``n``, so a non-square row cannot be read the wrong way round (a docs table
+    once swapped 4096 x 11008 and 11008 x 4096 by reading the JSON's shape as K x N)."""
+    r = harness.BenchResult.from_times("k", (11008, 4096), "f", 1, [1e-3], 1000)
+    header, _, row = harness.format_table([r]).splitlines()[:3]
+    cells = dict(zip(header.split(), row.split()))
+    assert (cells["K"], cells["N"]) == ("4096", "11008")
+    d = r.to_dict()
+    assert (d["k"], d["n"]) == (4096, 11008)
+    assert harness.BenchResult.from_dict(json.loads(json.dumps(d))) == r
+
+
 def test_wait_for_quiet_returns_quickly_when_allowed_no_wait():
     busy, waited = harness.wait_for_quiet(0.0, interval=0.05)
     assert waited < 1.0
