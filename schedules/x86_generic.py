@@ -66,6 +66,12 @@ _OPAQUE = 8
 _MM_ROWS = 4
 #: Its accumulators: half the vector registers (AVX-512 32, AVX2 16), the rest for loads.
 _MM_ACCUMULATORS = {16: 16, 8: 8}
+#: Row pitch (floats) the padded keys copy of ``q @ K^T`` avoids (``storage_align``: pitch %
+#: 512 == one vector). A register tile reads one line from each of the head dim's 64 rows; a
+#: pitch of 2 KiB or a multiple puts them in 1-2 of L1's 64 sets, and every row tile re-read
+#: them from L2. MHA prefill (12 heads, Zen 4, 1 thread): 2.0x at 1024 and 2048 tokens, 1.14x
+#: at 512, level at 100-768; decode 1.05x.
+_SKEW_ALIGN = 512
 #: Rows of a ``q @ K^T`` slice from which its packed form runs (``_schedule_matmul``):
 #: prefill's (decode has 1-8 rows a kv head).
 _PACK_MIN_ROWS = 64
@@ -657,27 +663,30 @@ def _schedule_matmul(sch, root, mm, lanes: int, packed: dict | None = None) -> b
     """Per batch slice: tiles of 4 rows x 1 vector (or B's whole row: ``_row_vectors``)
     accumulated in registers over k.
 
-    ``packed`` (a dict): the form for many rows of ``q @ K^T`` over transposed keys (a
-    symbolic column count, whole tiles), or False where it does not apply. Column tiles
+    ``packed`` (a dict): the form for many rows of ``q @ K^T`` over transposed keys read in
+    place (a symbolic column count of whole tiles: the KV step's 64 x blocks; grouped rows
+    or one row a head), or False where it does not apply. Column tiles
     outermost, each tile's slice of B (its head dim's 64 rows) copied once into a
     contiguous panel that every row tile then reads from L1: B's rows are the key count
     apart, and at 512 or 1024 keys (2 or 4 KiB) all of a tile's lines fall in a few L1 sets
     and thrash, so each row tile read them from L2 (Zen 4, 1 thread, 4 kv heads, 1024 rows:
-    2.06-2.12x at 1024 and 2048 keys, 1.16x at 512, 0.97-1.03x at 128, 768, 1280, 1920).
-    Decode's few rows stream B once from DRAM, where the copy cost 0.51-0.84x: the caller
+    2.06-2.12x at 1024 and 2048 keys, 1.16x at 512, 0.97-1.03x at 128, 768, 1280, 1920; one
+    row a head, 32 heads: 2.1x at 1000-1024 rows over 1024 keys, 1.05x at 128). Decode's few rows stream B once from DRAM, where the copy cost 0.51-0.84x: the caller
     runs this form from ``_PACK_MIN_ROWS`` rows on (``packed["when"]``).
 
     Rows and columns are padded (``pad_einsum``: per-slice zero-padded copies of the
     operands) to whole tiles, so the accumulator tile has a constant shape and SROA keeps
     it in registers; with a predicated split it would be the full [rows, cols] buffer in
     memory and every k step a store-to-load chain. The elementwise epilogue (scale,
-    causal mask) is inlined into the copy-out of the valid region."""
+    causal mask) is inlined into the copy-out of the valid region. Where the keys are padded
+    (a key count not a multiple of the vector: the main graph's ``past + seq``), their copy's
+    row pitch is skewed off multiples of 2 KiB instead of packed (``_SKEW_ALIGN``)."""
     n_batch = len(sch.get_loops(mm)) - 3
     *_, rows, cols, _ = [_extent(sch, loop) for loop in sch.get_loops(mm)]
     width = lanes * _row_vectors(cols, lanes)
     whole = _divides(_MM_ROWS, rows) and _divides(width, cols)
-    if packed is not None:
-        if not whole or _const(cols) is not None or _const(rows) is not None:
+    if packed is not None:  # keys read in place (a multiple of the tile's width: the KV step's blocks)
+        if _const(cols) is not None or _const(rows) is not None or not _divides(width, cols):
             return False
         packed["when"] = rows >= _PACK_MIN_ROWS
     if whole:  # whole tiles already (GQA rows kv_heads x seq): no padded copies, no copy-out
@@ -686,6 +695,9 @@ def _schedule_matmul(sch, root, mm, lanes: int, packed: dict | None = None) -> b
         sch.pad_einsum(mm, [1] * n_batch + [_MM_ROWS, width, 1])
         producers = sch.get_producers(mm)
         (crop,) = sch.get_consumers(mm)
+        keys_copy = _producer_of_columns(sch, mm) if _const(cols) is None else None
+        if keys_copy is not None:  # q @ K^T's keys padded: the copy's rows never a multiple of 2 KiB apart
+            sch.storage_align(keys_copy, 0, len(sch.get(keys_copy).iter_vars) - 2, _SKEW_ALIGN, lanes)
     for block in sch.get_child_blocks(root):
         if crop is not None and _name(sch, block) not in {_name(sch, b) for b in [mm, crop, *producers]}:
             sch.reverse_compute_inline(block)  # raises for a non-elementwise epilogue
@@ -718,6 +730,13 @@ def _schedule_matmul(sch, root, mm, lanes: int, packed: dict | None = None) -> b
     for block in [*producers, *([crop] if crop is not None else [])]:
         _vectorize_inner(sch, sch.get_loops(block)[-1], lanes)
     return True
+
+
+def _producer_of_columns(sch, mm):
+    """The block writing the operand ``mm``'s columns walk (B's padded copy), or None."""
+    source = sch.get(mm).reads[_column_operand(sch, mm)].source
+    blocks = [b for b in sch.get_producers(mm) if sch.get(b).writes[0].source.same_as(source)]
+    return blocks[0] if blocks else None
 
 
 def _column_operand(sch, mm) -> int:

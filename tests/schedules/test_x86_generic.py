@@ -305,12 +305,12 @@ def test_q_k_transposed_prefetches_its_key_rows():
 
 
 def test_q_k_transposed_packs_key_panels_for_many_rows():
-    """Prefill's q @ K^T (grouped-query rows, seq x 8 a kv head): from 64 rows on, column
+    """Prefill's q @ K^T over the KV step's keys (64 x blocks): from 64 rows a head on, column
     tiles outermost, each tile's keys copied once into a contiguous panel that every row tile
     reads (the keys' rows, the key count apart, thrash L1 at 512 or 1024 keys); below (decode)
-    the streaming nest with its key-row prefetch. Both nests against numpy, at row counts
-    either side of the threshold and key counts that alias in L1 (1024) or not; rows that are
-    not whole tiles (one row a head, padded) keep the one nest."""
+    the streaming nest with its key-row prefetch. Grouped-query rows (seq x 8 a kv head, whole
+    tiles) and one row a head (MHA: q padded to whole tiles) alike. Both nests against numpy,
+    at row counts either side of the threshold and key counts that alias in L1 (1024) or not."""
     seq, blocks = tirx.Var("seq", "int64"), tirx.Var("kv_blocks", "int64")
     for group in (8, 1):
         q = te.placeholder((1, 4, seq * group, 64), name="q")
@@ -321,13 +321,10 @@ def test_q_k_transposed_packs_key_panels_for_many_rows():
         scaled = te.compute(scores.shape, lambda *i: scores(*i) * tirx.const(0.125, "float32"), name="scaled")
         scheduled = schedule_generic_func(te.create_prim_func([q, keys, scaled, seq, blocks]), 16)
         text = scheduled.script()
-        if group == 8:
-            packed, streamed = text.split("\n    else:\n")
-            assert f"if seq * T.int64({group}) >= T.int64(64):" in packed
-            assert 'T.sblock("keys_global")' in packed and "llvm.prefetch" not in packed
-            assert "keys_global" not in streamed and "llvm.prefetch" in streamed
-        else:
-            assert "keys_global" not in text and " >= T.int64(64):" not in text
+        packed, streamed = text.split("\n    else:\n")
+        assert ("if seq * T.int64(8) >= T.int64(64):" if group == 8 else "if seq >= T.int64(64):") in packed
+        assert 'T.sblock("keys_global")' in packed and "llvm.prefetch" not in packed
+        assert "keys_global" not in streamed and "llvm.prefetch" in streamed
         built = _compiled(scheduled)
         rng = np.random.default_rng(group)
         for s, n in ((1, 1024), (7, 192), (8, 1024), (8, 64), (33, 1088), (70, 1024)):
@@ -336,6 +333,37 @@ def test_q_k_transposed_packs_key_panels_for_many_rows():
             out = tvm.runtime.tensor(np.full((1, 4, s * group, n), np.nan, np.float32))
             built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, s, n // 64)
             np.testing.assert_allclose(out.numpy(), (a @ b) * 0.125, rtol=1e-4, atol=1e-4)
+
+
+def test_q_k_padded_keys_copy_has_skewed_rows():
+    """One row a head (MHA: GPT-2, LLaMA-2) over keys of any count: q and the keys are padded
+    copies, and the keys copy's row pitch is never a multiple of 512 floats (``storage_align``):
+    at 1024 or 2048 keys a tile's 64 rows fell in one L1 set and every row tile re-read them
+    from L2. Against numpy with the causal mask fused, past > 0, at key counts whose padded
+    pitch is a multiple of 512 (1024, 2048) and not, one row (decode) and many."""
+    seq, past = tirx.Var("seq", "int64"), tirx.Var("past", "int64")
+    q = te.placeholder((1, 3, seq, 64), name="q")
+    keys = te.placeholder((1, 3, 64, past + seq), name="keys")
+    mask = te.placeholder((1, 1, seq, past + seq), name="mask")
+    r = te.reduce_axis((0, 64), name="r")
+    scores = te.compute((1, 3, seq, past + seq),
+                        lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r), name="scores")
+    masked = te.compute(scores.shape, lambda b, h, i, j: scores[b, h, i, j] * tirx.const(0.125, "float32")
+                        + mask[b, 0, i, j], name="masked")
+    scheduled = schedule_generic_func(te.create_prim_func([q, keys, mask, masked, past]), 16)
+    text = scheduled.script()
+    assert is_scheduled(scheduled) and 'T.sblock("keys_pad")' in text
+    assert '"buffer_dim_align": [[0, 2, 512, 16]]' in text.split('T.sblock("keys_pad")')[1].split("T.sblock(")[0]
+    built = _compiled(scheduled)
+    rng = np.random.default_rng(11)
+    for s, p in ((1024, 0), (1, 1023), (5, 2043), (512, 0), (37, 70), (1, 99)):
+        n = p + s
+        a = rng.standard_normal((1, 3, s, 64)).astype(np.float32)
+        b = rng.standard_normal((1, 3, 64, n)).astype(np.float32)
+        m = np.triu(np.full((s, n), -1e9, np.float32), p + 1)[None, None]
+        out = tvm.runtime.tensor(np.full((1, 3, s, n), np.nan, np.float32))
+        built["main"](*(tvm.runtime.tensor(v) for v in (a, b, m)), out, p)
+        np.testing.assert_allclose(out.numpy(), (a @ b) * 0.125 + m, rtol=1e-4, atol=1e-3)
 
 
 _SCALAR_THEN_MASK = '''
