@@ -87,7 +87,7 @@ def test_step_structure(hf_model, exporter):
 
 
 @pytest.mark.parametrize("family,exporter", [("llama", "legacy"), ("llama", "dynamo"), ("gemma2", "dynamo"),
-                                             ("gemma3", "legacy"), ("qwen3", "dynamo")])
+                                             ("gemma3", "legacy"), ("qwen3", "dynamo"), ("gpt2", "legacy")])
 def test_step_equals_main(hf_compiled, family, exporter):
     """Logits and cache rows of the step equal main's logits and presents; the padded rows
     (random values, mask 0) change nothing and are left as they were. Gemma 2 and 3 have
@@ -99,9 +99,10 @@ def test_step_equals_main(hf_compiled, family, exporter):
 
     module = runtime.load(hf_compiled(family, exporter, "none", kv=True).path)
     rng = np.random.default_rng(1)
-    # seq 40 and 35: Qwen3's grouped rows (4 heads a kv head) reach 64 and run q @ K^T's key-panel nest
+    # seq 40 and 35: Qwen3's grouped rows (4 heads a kv head) reach 64 and run q @ K^T's key-panel nest;
+    # seq 70: every family's, GPT-2's one row a head (MHA) padded to whole tiles
     for batch, seq, past in [(1, 1, 0), (2, 3, 0), (1, 1, 3), (2, 3, 3), (1, 1, 64), (2, 1, 63), (2, 3, 67),
-                             (1, 40, 0), (2, 35, 20)]:
+                             (1, 40, 0), (2, 35, 20), (1, 70, 0), (2, 66, 5)]:
         x = feeds(module.inputs, batch, seq, past, seed=past * 10 + seq + batch)
         want = module.run(x)
         logits, caches, before = run_step(module, x, past, rng)
