@@ -671,8 +671,9 @@ def _schedule_matmul(sch, root, mm, lanes: int, packed: dict | None = None) -> b
     apart, and at 512 or 1024 keys (2 or 4 KiB) all of a tile's lines fall in a few L1 sets
     and thrash, so each row tile read them from L2 (Zen 4, 1 thread, 4 kv heads, 1024 rows:
     2.06-2.12x at 1024 and 2048 keys, 1.16x at 512, 0.97-1.03x at 128, 768, 1280, 1920; one
-    row a head, 32 heads: 2.1x at 1000-1024 rows over 1024 keys, 1.05x at 128). Decode's few rows stream B once from DRAM, where the copy cost 0.51-0.84x: the caller
-    runs this form from ``_PACK_MIN_ROWS`` rows on (``packed["when"]``).
+    row a head, 32 heads: 2.1x at 1000-1024 rows over 1024 keys, 1.05x at 128). Decode's few
+    rows stream B once from DRAM, where the copy cost 0.51-0.84x: the caller runs this form
+    from ``_PACK_MIN_ROWS`` rows on (``packed["when"]``).
 
     Rows and columns are padded (``pad_einsum``: per-slice zero-padded copies of the
     operands) to whole tiles, so the accumulator tile has a constant shape and SROA keeps

@@ -245,7 +245,8 @@ class BenchResult:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BenchResult":
         d = dict(d)
-        d.pop("n", None), d.pop("k", None)
+        for derived in ("n", "k"):  # written by to_dict from the shape
+            d.pop(derived, None)
         d["shape"] = tuple(d["shape"])
         d.setdefault("extras", {})
         return cls(**d)

@@ -335,7 +335,8 @@ def test_q_k_transposed_packs_key_panels_for_many_rows():
             np.testing.assert_allclose(out.numpy(), (a @ b) * 0.125, rtol=1e-4, atol=1e-4)
 
 
-def test_q_k_padded_keys_copy_has_skewed_rows():
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_q_k_padded_keys_copy_has_skewed_rows(lanes):
     """One row a head (MHA: GPT-2, LLaMA-2) over keys of any count: q and the keys are padded
     copies, and the keys copy's row pitch is never a multiple of 512 floats (``storage_align``):
     at 1024 or 2048 keys a tile's 64 rows fell in one L1 set and every row tile re-read them
@@ -350,10 +351,10 @@ def test_q_k_padded_keys_copy_has_skewed_rows():
                         lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r), name="scores")
     masked = te.compute(scores.shape, lambda b, h, i, j: scores[b, h, i, j] * tirx.const(0.125, "float32")
                         + mask[b, 0, i, j], name="masked")
-    scheduled = schedule_generic_func(te.create_prim_func([q, keys, mask, masked, past]), 16)
+    scheduled = schedule_generic_func(te.create_prim_func([q, keys, mask, masked, past]), lanes)
     text = scheduled.script()
     assert is_scheduled(scheduled) and 'T.sblock("keys_pad")' in text
-    assert '"buffer_dim_align": [[0, 2, 512, 16]]' in text.split('T.sblock("keys_pad")')[1].split("T.sblock(")[0]
+    assert f'"buffer_dim_align": [[0, 2, 512, {lanes}]]' in text.split('T.sblock("keys_pad")')[1].split("T.sblock(")[0]
     built = _compiled(scheduled)
     rng = np.random.default_rng(11)
     for s, p in ((1024, 0), (1, 1023), (5, 2043), (512, 0), (37, 70), (1, 99)):
