@@ -516,21 +516,30 @@ def _untransformed(sch, block) -> bool:
 
 def _inline_producers(sch, root) -> None:
     """Inline spatial producers; an expensive one only into a single, same-shaped consumer
-    (the row rule computes the others once per row)."""
+    (the row rule computes the others once per row). Until a pass inlines nothing: a
+    softmax's normalisation (a division) feeds an isnan test and the select guarding it, so
+    it is inlined in the pass after the test went into the select; its full-size intermediate
+    (written back to DRAM in prefill) goes: the KV step's softmax over 32 x 1024 x 1024 scores
+    1.19x, bit for bit (Zen 4, 1 thread). (Consumers first instead changed RoPE: its concat,
+    inlined first, then kept the transpose from being inlined.)"""
     outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(root)}
-    for block in sch.get_child_blocks(root):
-        if sch.get(block).name_hint in outputs or "R" in _iter_kinds(sch, block):
-            continue
-        consumers = sch.get_consumers(block)
-        if not consumers or any(_has_guarded_load(sch.get(c)) for c in consumers):
-            continue  # nothing to inline into, or a concat / pad (_has_guarded_load)
-        if _is_expensive(sch, block) and (len(consumers) > 1
-                                          or any(_is_broadcast_into(sch, block, c) for c in consumers)):
-            continue
-        try:
-            sch.compute_inline(block)
-        except s_tir.ScheduleError:
-            pass
+    inlined = True
+    while inlined:
+        inlined = False
+        for block in sch.get_child_blocks(root):
+            if sch.get(block).name_hint in outputs or "R" in _iter_kinds(sch, block):
+                continue
+            consumers = sch.get_consumers(block)
+            if not consumers or any(_has_guarded_load(sch.get(c)) for c in consumers):
+                continue  # nothing to inline into, or a concat / pad (_has_guarded_load)
+            if _is_expensive(sch, block) and (len(consumers) > 1
+                                              or any(_is_broadcast_into(sch, block, c) for c in consumers)):
+                continue
+            try:
+                sch.compute_inline(block)
+                inlined = True
+            except s_tir.ScheduleError:
+                pass
 
 
 def _uses(expr, var) -> bool:

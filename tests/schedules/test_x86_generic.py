@@ -231,6 +231,41 @@ def test_softmax_over_whole_vectors_of_a_symbol_is_vectorized():
             np.testing.assert_allclose(args[1].numpy(), want / want.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
 
 
+def test_guarded_softmax_keeps_no_full_size_normalisation():
+    """torch's guarded softmax, where(isnan(e / sum), 0, e / sum): the isnan test is inlined
+    into the select first, so the division has one consumer and is inlined too; its full-size
+    intermediate (each row written once, and in prefill written back to DRAM) is gone. Against
+    TVM's default loops (the rule's exp and lane-split sums differ in the last bits), a fully
+    masked row (all -inf: NaN before the guard) included."""
+    blocks = tirx.Var("kv_blocks", "int64")
+    x = te.placeholder((2, 3, blocks * 64), name="x")
+    r = te.reduce_axis((0, blocks * 64), name="r")
+    top = te.compute((2, 3), lambda h, i: te.max(x[h, i, r], axis=r), name="top")
+    e = te.compute(x.shape, lambda h, i, j: te.exp(x[h, i, j] - top[h, i]), name="e")
+    r2 = te.reduce_axis((0, blocks * 64), name="r2")
+    total = te.compute((2, 3), lambda h, i: te.sum(e[h, i, r2], axis=r2), name="total")
+    norm = te.compute(x.shape, lambda h, i, j: e[h, i, j] / total[h, i], name="norm")
+    nan = te.compute(x.shape, lambda h, i, j: tirx.isnan(norm[h, i, j]), name="nan")
+    y = te.compute(x.shape, lambda h, i, j: tirx.Select(nan[h, i, j], tirx.const(0.0, "float32"), norm[h, i, j]),
+                   name="y")
+    func = te.create_prim_func([x, y, blocks])
+    scheduled = schedule_generic_func(func, 16)
+    text = scheduled.script()
+    assert is_scheduled(scheduled) and 'T.sblock("norm")' not in text and 'T.sblock("nan")' not in text
+    assert 'T.sblock("e")' in text  # the exponentials stay computed once
+    built, default = _compiled(scheduled), _compiled(func)
+    rng = np.random.default_rng(9)
+    a = (4 * rng.standard_normal((2, 3, 192))).astype(np.float32)
+    a[1, 2] = -np.inf
+    outs = []
+    for module in (built, default):
+        out = tvm.runtime.tensor(np.full_like(a, 7.0))
+        module["main"](tvm.runtime.tensor(a), out, 3)
+        outs.append(out.numpy())
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
+    assert (outs[0][1, 2] == 0).all() and np.isfinite(outs[0]).all()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_isnan_is_a_vector_bit_test(dtype):
     """torch's attention exports guard softmax with where(isnan(p), 0, p): the rule rewrites
