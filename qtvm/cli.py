@@ -26,7 +26,7 @@ def _cmd_compile(args) -> int:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
                                args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step,
                                max_length=args.max_length, max_batch=args.max_batch, kv_step=not args.no_kv_step,
-                               dims=parse_dim_options(args.dim))
+                               dims=parse_dim_options(args.dim), kv_cache=args.kv_cache)
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "position limit, else 2048); memory is planned for it once")
     c.add_argument("--max-batch", type=int, default=1, metavar="B",
                    help="past_key_values exports: sequences generated at once (default 1)")
+    c.add_argument("--kv-cache", choices=("model", "fp16"), default="model",
+                   help="past_key_values exports: the generation cache's precision: the model's own (default, "
+                        "exact) or fp16 (float32 caches held in float16: half the memory and the bytes a decoded "
+                        "token reads per past token; the compile prints the error it measured)")
     c.add_argument("--no-kv-step", action="store_true",
                    help="past_key_values exports: no in-place KV-cache step (generation feeds presents back)")
     c.add_argument("--db", metavar="DIR", help="tuning database from `qtvm tune`; kernels it measured faster "

@@ -138,7 +138,8 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     kv = meta.get("kv_step")
     if kv:
         rows.append(("generation", f"in-place KV cache ({kv['function']}): up to {kv['max_length']} tokens, "
-                                   f"batch <= {kv['max_batch']}, attention length padded to {kv['pad']}"))
+                                   f"batch <= {kv['max_batch']}, attention length padded to {kv['pad']}"
+                                   + (f", caches held in {kv['cache_dtype']}" if kv.get("cache_dtype") else "")))
     width = max(len(k) for k, _ in rows) + 2
     lines = [f"{k + ':':<{width}}{v}" for k, v in rows]
     layers = meta.get("layers") or []

@@ -97,9 +97,9 @@ class KVSession:
             for name, layout in zip(info["caches"], layouts):
                 spec = specs[name]
                 _, heads, _, dim = spec["shape"]
-                self._rows[name] = (int(heads), int(dim), spec["dtype"], layout)
-                self._buffers[name] = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),),
-                                                        spec["dtype"])
+                dtype = info.get("cache_dtype") or spec["dtype"]  # --kv-cache fp16: float16 buffers
+                self._rows[name] = (int(heads), int(dim), dtype, layout)
+                self._buffers[name] = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),), dtype)
         for name, buf in self._buffers.items():
             self._flat[name] = np.from_dlpack(buf)
             self._flat[name][:] = 0  # padded keys must be finite: probability 0 times a value
@@ -287,26 +287,37 @@ def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) / (float(np.abs(want).max()) or 1.0)
 
 
-def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
-    """The step against ``main`` on random inputs: a 3-token prompt (past 0) then one
-    token, at batch min(2, max_batch); logits and cache rows compared. None when they
-    agree within ``tol`` (relative to the largest logit), else what differed."""
+def step_errors(module, seed: int = 0) -> dict[str, float] | None:
+    """The step against ``main`` on random inputs: a 3-token prompt (past 0) then one token,
+    at batch min(2, max_batch). {what was compared: its error relative to the largest
+    value of main's}: logits per feed, then each cache's rows; None where the cache holds
+    fewer than 4 tokens."""
     setup = _check_setup(module, seed, 4)
     if setup is None:
         return None
     batch, rng, high = setup
     reference = ConcatSession(module, batch)
     step = KVSession(module, batch)
+    errors = {}
     for n in (3, 1):
         ids = rng.integers(0, high, (batch, n)).astype(np.int64)
-        want, got = reference.feed(ids), step.feed(ids)
-        err = _relative_error(got, want)
-        if not np.isfinite(err) or err > tol:
-            return f"logits differ from main's by {err:.2e} (relative) at past {reference.length - n}, {n} tokens"
+        what = f"logits at past {reference.length}, {n} tokens"
+        errors[what] = _relative_error(step.feed(ids), reference.feed(ids))
     for spec, name in zip(reference._caches, reference._state):
-        err = _relative_error(step.cache(spec["name"]), reference._state[name])
-        if err > tol:
-            return f"cache '{name}' differs from main's present by {err:.2e}"
+        errors[f"cache '{name}'"] = _relative_error(step.cache(spec["name"]), reference._state[name])
+    return errors
+
+
+def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
+    """``step_errors`` against ``tol``: None when every one is within it, else what differed."""
+    return first_over(step_errors(module, seed) or {}, tol)
+
+
+def first_over(errors: dict[str, float], tol: float) -> str | None:
+    """The first of ``step_errors``' errors over ``tol`` (or not finite), said; else None."""
+    for what, err in errors.items():
+        if not np.isfinite(err) or err > tol:
+            return f"{what} differ from main's by {err:.2e} (relative)"
     return None
 
 

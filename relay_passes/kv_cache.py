@@ -23,7 +23,12 @@ function, ``qtvm_kv_step``, built from ``main`` after the weight passes:
   transposed, ``q @ k^T``, ``p @ v``) becomes matmuls of q and p grouped per KV head against
   the cache itself, keys stored transposed (``_attention``): no per-token copy of the cache;
 * the function carries ``tir_var_upper_bound`` for its symbols, so Relax plans its memory
-  once, for the largest batch and length, instead of per call.
+  once, for the largest batch and length, instead of per call;
+* ``cache_dtype="float16"`` (``qtvm compile --kv-cache fp16``, a numerics option like
+  llama.cpp's and MLC-LLM's half-precision caches): float32 caches are held in float16, new
+  rows rounded once as they are written and widened inside the attention matmuls, so decode
+  reads half the bytes per past token; the compile measures and reports the step's error
+  against ``main``.
 
 A query position that is itself padding (a left-padded prompt) has every key masked: its
 output means nothing in either function (main spreads it over ``past + seq`` keys, the
@@ -63,16 +68,18 @@ class Decline(Exception):
     """The model does not fit the rewrite; the message says why (it becomes a compile note)."""
 
 
-def add_kv_step(mod: tvm.IRModule, max_length: int, max_batch: int):
+def add_kv_step(mod: tvm.IRModule, max_length: int, max_batch: int, cache_dtype: str | None = None):
     """(module, step description for the metadata, note). The module gains ``qtvm_kv_step``
     when ``main`` is a KV-cache export the rewrite fits; otherwise it is returned unchanged
-    with None and a note (no note when the model has no KV cache at all)."""
+    with None and a note (no note when the model has no KV cache at all). ``cache_dtype``:
+    "float16" holds float32 caches in half precision (None: the model's own dtype)."""
     main = mod["main"]
     zero = json.loads(str((main.attrs or {}).get(ZERO_ATTR, "[]")))
     if not zero:
         return mod, None, None
     try:
-        return (*_Builder(mod, main, zero[0] if len(zero) == 1 else None, max_length, max_batch).build(), None)
+        builder = _Builder(mod, main, zero[0] if len(zero) == 1 else None, max_length, max_batch, cache_dtype)
+        return (*builder.build(), None)
     except Decline as e:
         return mod, None, f"no in-place KV-cache step ({e}): generation feeds the presents back (copies per token)"
 
@@ -82,23 +89,25 @@ def capacity(max_length: int) -> int:
     return -(-max_length // PAD) * PAD
 
 
-def write_func(heads, dim, dtype: str, transposed: bool = False) -> tirx.PrimFunc:
+def write_func(heads, dim, dtype: str, transposed: bool = False, new_dtype: str | None = None) -> tirx.PrimFunc:
     """``cache[b, h, past + s, d] = new[b, h, s, d]`` in place (the cache is argument 0);
-    ``transposed``: ``cache_t[b, h, d, past + s]``, keys kept transposed."""
+    ``transposed``: ``cache_t[b, h, d, past + s]``, keys kept transposed; ``new_dtype``
+    (default ``dtype``): the new rows' dtype, cast to the cache's as they are written."""
+    new_dtype = new_dtype or dtype
 
     @T.prim_func(private=True, s_tir=True)
     def write(var_cache: T.handle, var_new: T.handle, past: T.int64):
         T.func_attr({"tir.noalias": True, "op_pattern": 8})
         b, n, s = T.int64(), T.int64(), T.int64()
         cache = T.match_buffer(var_cache, (b, heads, dim, n) if transposed else (b, heads, n, dim), dtype)
-        new = T.match_buffer(var_new, (b, heads, s, dim), dtype)
+        new = T.match_buffer(var_new, (b, heads, s, dim), new_dtype)
         for i0, i1, i2, i3 in T.grid(b, heads, s, dim):
             with T.sblock("write"):
                 v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
                 if transposed:
-                    cache[v0, v1, v3, past + v2] = new[v0, v1, v2, v3]
+                    cache[v0, v1, v3, past + v2] = T.Cast(dtype, new[v0, v1, v2, v3])
                 else:
-                    cache[v0, v1, past + v2, v3] = new[v0, v1, v2, v3]
+                    cache[v0, v1, past + v2, v3] = T.Cast(dtype, new[v0, v1, v2, v3])
 
     return write
 
@@ -210,8 +219,9 @@ def _attention(main, appends, analyzer) -> dict:
 
 
 class _Builder:
-    def __init__(self, mod, main, past_name, max_length: int, max_batch: int):
+    def __init__(self, mod, main, past_name, max_length: int, max_batch: int, cache_dtype: str | None = None):
         self.mod, self.main = mod, main
+        self.cache_dtype = cache_dtype
         self.max_length, self.max_batch = max_length, max_batch
         self.analyzer = tvm.sym.Analyzer()
         self.symbols = {}
@@ -227,6 +237,7 @@ class _Builder:
         self.new_past = tirx.Var(PAST, "int64")
         self.tir_map: list[tuple] = []  # (old var, new expression)
         self.relax_map: dict = {}
+        self.written: dict = {}  # append var -> the cache after its write, where held in another dtype
         self.values_funcs: dict = {}
         self.seq = None
 
@@ -403,7 +414,8 @@ class _Builder:
                     dims = [dims[0], dims[1], dims[3], dims[2]]
             else:
                 dims = [self.sub(d) for d in shape] if shape is not None else None
-            params.append(relax.Var(p.name, relax.TensorType(dims, p.ty.dtype) if dims is not None else p.ty))
+            dtype = self._held_dtype(p.ty.dtype) if p in caches else p.ty.dtype
+            params.append(relax.Var(p.name, relax.TensorType(dims, dtype) if dims is not None else p.ty))
             if p in caches:  # reachable only through the append it feeds (any other use declines)
                 cache_params[p] = params[-1]
             else:
@@ -428,6 +440,7 @@ class _Builder:
         index = {p.name: i for i, p in enumerate(main.params)}  # the metadata names inputs as ONNX does
         info = {"function": STEP_FUNC, "caches": [index[c.name] for c in caches], "mask": index[mask.name],
                 "layouts": [BHDL if c in transposed else BHLD for c in caches],
+                "cache_dtype": str(cache_params[caches[0]].ty.dtype),
                 "fused_attention": sum(1 for plan in self.plans.values()),
                 "ids": index[ids.name], "positions": index[positions[0].name] if positions else None,
                 "axis": axis, "pad": PAD, "max_length": self.max_length,
@@ -445,8 +458,12 @@ class _Builder:
                         if b.var in appends:
                             cache, new = appends[b.var]
                             plan = self.plans.get(b.var)
-                            self.relax_map[b.var] = self._write(bb, cache_params[cache], self.mutate(new), writes,
-                                                                plan is not None and plan.kind == "k")
+                            written = self._write(bb, cache_params[cache], self.mutate(new), writes,
+                                                  plan is not None and plan.kind == "k")
+                            if written.ty.dtype != b.var.ty.dtype:  # read widened by the grouped matmul;
+                                self.written[b.var] = written  # a widened copy for other readers
+                                written = bb.emit(relax.op.astype(written, b.var.ty.dtype))
+                            self.relax_map[b.var] = written
                         elif b.var in self.matmuls:
                             self.relax_map[b.var] = self._grouped_matmul(bb, b.var, *self.matmuls[b.var])
                         elif b.var.same_as(output_var):
@@ -464,7 +481,7 @@ class _Builder:
     def _write(self, bb, cache, new, writes, transposed: bool = False):
         shape = _shape(cache.ty)
         heads, dim = (int(shape[1]), int(shape[2])) if transposed else (int(shape[1]), int(shape[3]))
-        key = (heads, dim, cache.ty.dtype, transposed)
+        key = (heads, dim, cache.ty.dtype, transposed, new.ty.dtype)
         if key not in writes:
             writes[key] = bb.add_func(write_func(*key), "qtvm_kv_write")
         return bb.emit(relax.call_tir_inplace(writes[key], relax.Tuple([cache, new, self.new_past]), 0, cache.ty))
@@ -473,15 +490,19 @@ class _Builder:
         """The attention matmul on the cache itself: the other operand ([b, heads, seq, x])
         viewed as [b, kv_heads, rep * seq, x] (head h = kv_head * rep + r), times the cache
         ([b, kv_heads, dim, L] keys, [b, kv_heads, L, dim] values), viewed back."""
-        cache = self.relax_map[append]
+        cache = self.written.get(append, self.relax_map[append])
         other = self.mutate(plan.other)
         if plan.scale is not None:  # k * s moves to q: the scores differ by float rounding only
             other = bb.emit(relax.op.multiply(other, plan.scale))
         batch, heads, seq, last = _shape(other.ty)
         kv_heads = _shape(cache.ty)[1]
         grouped = bb.emit(relax.op.reshape(other, relax.ShapeExpr([batch, kv_heads, seq * plan.rep, last])))
-        product = bb.emit(relax.op.matmul(grouped, cache))
+        product = bb.emit(relax.op.matmul(grouped, cache, out_dtype=str(other.ty.dtype)))  # a half cache widened
         return bb.emit(relax.op.reshape(product, relax.ShapeExpr([batch, heads, seq, _shape(product.ty)[-1]])))
+
+    def _held_dtype(self, dtype) -> str:
+        """The dtype a cache of ``dtype`` is held in: float16 asked for and the model's float32."""
+        return self.cache_dtype if self.cache_dtype and str(dtype) == "float32" else str(dtype)
 
     def _check(self, func):
         """No shape may still depend on the past length alone (it means something of the

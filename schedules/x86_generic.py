@@ -650,7 +650,8 @@ def _parallel_injective(sch, blocks, lanes: int, variant: dict) -> bool:
 
 
 def _is_matmul(sch, block) -> bool:
-    """``C[.., i, j] += A[.., i, k] * B[.., k, j]`` with j the last index of C and B."""
+    """``C[.., i, j] += A[.., i, k] * B[.., k, j]`` with j the last index of C and B (an
+    operand may be widened as it is read: a float16 KV cache)."""
     stmt = sch.get(block)
     kinds = _iter_kinds(sch, block)
     if kinds.count("R") != 1 or not kinds.endswith("R") or len(kinds) < 3:
@@ -661,7 +662,7 @@ def _is_matmul(sch, block) -> bool:
     value = body.value
     if not (isinstance(value, tirx.Add) and isinstance(value.b, tirx.Mul)):
         return False
-    a, b = value.b.a, value.b.b
+    a, b = (e.value if isinstance(e, tirx.Cast) else e for e in (value.b.a, value.b.b))
     if not (isinstance(a, _LOAD) and isinstance(b, _LOAD)):
         return False
     j, k = stmt.iter_vars[-2].var, stmt.iter_vars[-1].var

@@ -96,18 +96,19 @@ def hf_model(hf_dir):
 
 @pytest.fixture(scope="session")
 def hf_compiled(hf_model, tmp_path_factory):
-    """hf_compiled(family, exporter, quant, kv=False) -> CompileResult, compiled once per session.
-    KV exports are compiled for generation at batch <= 2 (the KV step's memory plan)."""
+    """hf_compiled(family, exporter, quant, kv=False, kv_cache="model") -> CompileResult, compiled
+    once per session. KV exports are compiled for generation at batch <= 2 (the KV step's
+    memory plan)."""
     from qtvm.pipeline import compile_model
 
     done = {}
     out_dir = tmp_path_factory.mktemp("hf_artefacts")
 
-    def get(family, exporter, quant, kv=False):
-        key = (family, exporter, quant, kv)
+    def get(family, exporter, quant, kv=False, kv_cache="model"):
+        key = (family, exporter, quant, kv, kv_cache)
         if key not in done:
             path = hf_model(family, exporter, kv)
             done[key] = compile_model(path, out_dir / f"{'_'.join(map(str, key))}.so", "host", quant,
-                                      max_batch=2 if kv else 1)
+                                      max_batch=2 if kv else 1, kv_cache=kv_cache)
         return done[key]
     return get

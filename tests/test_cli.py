@@ -67,6 +67,7 @@ def test_bad_model_files(tmp_path, case):
     (["--target", "llvm -foo=1"], "invalid target"),
     (["--dim", "seq"], "--dim 'seq' is not NAME=EXPRESSION"),
     (["--dim", "past=seq + 1"], "--dim names 'past', which no input dim is called"),
+    (["--kv-cache", "fp16", "--no-kv-step"], "--kv-cache fp16 with --no-kv-step"),
 ])
 def test_bad_options(mlp_path, tmp_path, args, needle):
     out = tmp_path / "out.so"

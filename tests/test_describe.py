@@ -87,6 +87,9 @@ def test_summary_shows_the_kv_step():
     line = next(t for t in summary(meta).splitlines() if t.startswith("generation:"))
     assert line.split(":", 1)[1].strip() == ("in-place KV cache (qtvm_kv_step): up to 2048 tokens, batch <= 2, "
                                              "attention length padded to 64")
+    meta["kv_step"]["cache_dtype"] = "float16"  # --kv-cache fp16
+    line = next(t for t in summary(meta).splitlines() if t.startswith("generation:"))
+    assert line.endswith("attention length padded to 64, caches held in float16"), line
     del meta["kv_step"]
     assert "generation" not in summary(meta) and "kv_step" not in summary(meta)
 

@@ -10,7 +10,8 @@ Engines, all on the same exported model:
 
 * ``qtvm int4-g128`` (fp32 activations) and ``qtvm int4-g128 --act int8``: the artefact's
   in-place KV-cache step (``qtvm.generate``); on request (``--engines``) the same for
-  ``bcq3-g128`` (LUT-GEMM decode);
+  ``bcq3-g128`` (LUT-GEMM decode), and ``--act int8 --kv-cache fp16`` (caches in float16:
+  its logits' cosine against onnxruntime fp32 is in the table);
 * ``ort fp32``: onnxruntime on the exported model;
 * ``ort int4 (MatMulNBits acc=4)``: onnxruntime on the model quantized by its own
   ``MatMulNBitsQuantizer`` (block 128, with zero points, accuracy_level 4: int8
@@ -40,13 +41,16 @@ import numpy as np
 from qtvm.models.hf_cache import flat_cache_module
 
 DEFAULT = {"hidden": 2048, "layers": 8, "intermediate": 5632, "vocab": 32000, "heads": 32, "kv_heads": 4}
-#: qtvm engines: (--quant, --act) of their artefact. BCQ (LUT-GEMM decode) on request only.
-QTVM_BUILDS = {"qtvm-int4": ("int4-g128", "fp32"), "qtvm-int4-a8": ("int4-g128", "int8"),
-               "qtvm-int4f16-a8": ("int4-g128-f16", "int8"),  # float16 scales: 4.25 bits a weight
-               "qtvm-bcq3": ("bcq3-g128", "fp32"), "qtvm-bcq3-a8": ("bcq3-g128", "int8")}
+#: qtvm engines: (--quant, --act, --kv-cache) of their artefact. BCQ (LUT-GEMM decode) and
+#: the float16 cache on request only.
+QTVM_BUILDS = {"qtvm-int4": ("int4-g128", "fp32", "model"), "qtvm-int4-a8": ("int4-g128", "int8", "model"),
+               "qtvm-int4f16-a8": ("int4-g128-f16", "int8", "model"),  # float16 scales: 4.25 bits a weight
+               "qtvm-int4-a8-kv16": ("int4-g128", "int8", "fp16"),
+               "qtvm-bcq3": ("bcq3-g128", "fp32", "model"), "qtvm-bcq3-a8": ("bcq3-g128", "int8", "model")}
 ENGINES = (*QTVM_BUILDS, "ort-fp32", "ort-int4")
 DEFAULT_ENGINES = ("qtvm-int4", "qtvm-int4-a8", "ort-fp32", "ort-int4")
-LABELS = {**{name: f"qtvm {quant}" + (" --act int8" if act == "int8" else "") for name, (quant, act) in QTVM_BUILDS.items()},
+LABELS = {**{name: f"qtvm {quant}" + (" --act int8" if act == "int8" else "") +
+             (f" --kv-cache {kv}" if kv != "model" else "") for name, (quant, act, kv) in QTVM_BUILDS.items()},
           "ort-fp32": "ort fp32", "ort-int4": "ort int4 (MatMulNBits acc=4)"}
 
 
@@ -148,17 +152,17 @@ def prepare(cfg: dict, cache_dir: Path, engines, log=print) -> dict:
             log(f"quantized {path} (MatMulNBitsQuantizer) in {time.perf_counter() - t0:.0f} s")
         files["ort-int4"] = path
     src = source_key()
-    for engine, (quant, act) in QTVM_BUILDS.items():
+    for engine, (quant, act, kv_cache) in QTVM_BUILDS.items():
         if engine not in engines:
             continue
-        path = cache_dir / f"llama_{key}_{quant}_{act}_{src}.so"
+        path = cache_dir / f"llama_{key}_{quant}_{act}{'_kv' + kv_cache if kv_cache != 'model' else ''}_{src}.so"
         if not path.exists():
             from qtvm.pipeline import compile_model
             from qtvm.quiet import tvm_output_captured
 
             t0 = time.perf_counter()
             with tvm_output_captured():
-                result = compile_model(onnx_path, path, "host", quant, act)
+                result = compile_model(onnx_path, path, "host", quant, act, kv_cache=kv_cache)
             if not result.metadata.get("kv_step"):
                 raise RuntimeError(f"{path}: no in-place KV-cache step ({'; '.join(result.notes)})")
             log(f"compiled {path} in {time.perf_counter() - t0:.0f} s")

@@ -47,8 +47,9 @@ def run_step(module, x: dict, past: int, rng, garbage: bool = True):
             args.append(tvm.runtime.tensor(mask))
         else:
             b, heads, _, dim = x[name].shape
-            buf = rng.standard_normal((b, heads, length, dim)).astype(np.float32) if garbage else \
-                np.zeros((b, heads, length, dim), np.float32)
+            dtype = info.get("cache_dtype", "float32")  # --kv-cache fp16: past rows rounded as the session holds them
+            buf = rng.standard_normal((b, heads, length, dim)).astype(dtype) if garbage else \
+                np.zeros((b, heads, length, dim), dtype)
             buf[:, :, :past] = x[name]
             before[name] = buf.copy()
             # keys the attention reads as k^T are kept transposed: [b, h, dim, length]
@@ -118,6 +119,63 @@ def test_step_equals_main(hf_compiled, family, exporter):
             np.testing.assert_allclose(cache[:, :, :total].transpose(0, 2, 1, 3)[keys],
                                        present.transpose(0, 2, 1, 3)[keys], rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(cache[:, :, total:], before[name][:, :, total:])
+
+
+@pytest.mark.parametrize("family,exporter", [("llama", "legacy"), ("qwen3", "dynamo"), ("gpt2", "legacy")])
+def test_half_cache_step_within_rounding_of_main(hf_compiled, family, exporter):
+    """``--kv-cache fp16``: float16 cache buffers; main is fed the past as the cache holds it
+    (rounded), so what differs is the new rows' rounding, carried through the layers: rows
+    written and logits within 3e-3 of main's (relative to the largest), at grouped rows, one
+    row a head and the key-panel nest (seq 40 / 70); the padded rows are left alone."""
+    from qtvm import runtime
+
+    result = hf_compiled(family, exporter, "none", kv=True, kv_cache="fp16")
+    module = runtime.load(result.path)
+    assert module.metadata["kv_step"]["cache_dtype"] == "float16"
+    assert any(n.startswith("KV caches held in float16 (--kv-cache fp16): the step's logits within") for n in
+               result.notes), result.notes
+    rng = np.random.default_rng(2)
+    errors = []
+    for batch, seq, past in [(1, 1, 0), (2, 3, 3), (2, 1, 63), (1, 40, 0), (1, 70, 0), (2, 66, 5)]:
+        x = feeds(module.inputs, batch, seq, past, seed=past * 10 + seq + batch)
+        for name in module.metadata["kv_step"]["caches"]:  # main sees the past as the cache holds it
+            x[name] = x[name].astype(np.float16).astype(np.float32)
+        want = module.run(x)
+        logits, caches, before = run_step(module, x, past, rng)
+        real = x["attention_mask"][:, past:] == 1
+        err = np.abs(logits - want["logits"])[real].max() / np.abs(want["logits"]).max()
+        errors.append(err)
+        assert err < 3e-3, f"batch {batch} seq {seq} past {past}: logits rel err {err:.2e}"
+        total, keys = past + seq, x["attention_mask"] == 1
+        for name, cache in caches.items():
+            assert cache.dtype == np.float16
+            present = want[name.replace("past_key_values", "present")].transpose(0, 2, 1, 3)[keys]
+            rows = cache[:, :, :total].transpose(0, 2, 1, 3)[keys].astype(np.float32)
+            assert np.abs(rows - present).max() < 3e-3 * np.abs(present).max(), name
+            np.testing.assert_array_equal(cache[:, :, total:], before[name][:, :, total:])
+    assert max(errors) > 0  # the cache is rounded: bit-for-bit logits would mean float32 was read
+
+
+def test_half_cache_session_generates_like_main(hf_compiled):
+    """The generation session over a ``--kv-cache fp16`` artefact: float16 buffers (half the
+    bytes of the float32 artefact's), and logits within 3e-3 of main fed its own presents,
+    over a 5-token prompt and 30 single tokens (the past crosses a 64-key block)."""
+    from qtvm import runtime
+    from qtvm.generate import ConcatSession, KVSession
+
+    half = runtime.load(hf_compiled("llama", "legacy", "none", kv=True, kv_cache="fp16").path)
+    full = runtime.load(hf_compiled("llama", "legacy", "none", kv=True).path)
+    step, reference, plain = KVSession(half, 2), ConcatSession(half, 2), KVSession(full, 2)
+    assert {b.dtype for b in step._flat.values()} == {np.dtype(np.float16)}
+    assert sum(b.nbytes for b in step._flat.values()) * 2 == sum(b.nbytes for b in plain._flat.values())
+    rng = np.random.default_rng(3)
+    for n in [5] + [1] * 30 + [3]:
+        ids = rng.integers(0, 100, (2, n)).astype(np.int64)
+        got, want = step.feed(ids), reference.feed(ids)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert 0 < err < 3e-3, f"past {reference.length - n}: logits rel err {err:.2e}"
+    name = half.metadata["kv_step"]["caches"][0]
+    assert step.cache(name).dtype == np.float16 and step.cache(name).shape[2] == reference.length
 
 
 def _mini_kv_model(extra_use: bool = False) -> onnx.ModelProto:
@@ -190,16 +248,36 @@ def test_step_that_disagrees_with_main_is_dropped(tmp_path, monkeypatch):
     onnx.save(_mini_kv_model(), str(path))
     good = compile_model(path, tmp_path / "good.so", "host", "none", max_length=70)
     assert good.metadata["kv_step"]["max_length"] == 70
-    monkeypatch.setattr(generate, "check_step", lambda module, tol: "logits differ (simulated)")
+    monkeypatch.setattr(generate, "step_errors", lambda module: {"logits at past 0, 3 tokens": 0.5})
     bad = compile_model(path, tmp_path / "bad.so", "host", "none")
     assert "kv_step" not in bad.metadata
-    assert any("no in-place KV-cache step (logits differ (simulated))" in n for n in bad.notes), bad.notes
+    assert any("no in-place KV-cache step (logits at past 0, 3 tokens differ from main's by 5.00e-01 (relative))"
+               in n for n in bad.notes), bad.notes
 
 
-def test_grouped_attention_matmuls_are_scheduled_right(hf_dir):
+def test_half_cache_read_by_an_attention_the_rewrite_leaves(tmp_path):
+    """A cache the attention rewrite does not take (the mini model reads its present twice)
+    is widened back to float32 for the model's own ops; the step, checked against main at
+    compile, is kept; a model with no cache at all only gets a note."""
+    path = tmp_path / "mini.onnx"
+    onnx.save(_mini_kv_model(), str(path))
+    result = compile_model(path, tmp_path / "mini16.so", "host", "none", max_length=70, kv_cache="fp16")
+    info = result.metadata["kv_step"]
+    assert info["cache_dtype"] == "float16" and info["fused_attention"] == 0
+    assert any(n.startswith("KV caches held in float16") for n in result.notes), result.notes
+    from tests.conftest import mlp_model
+
+    onnx.save(mlp_model(), str(tmp_path / "mlp.onnx"))
+    _, meta, _, notes = build_module(tmp_path / "mlp.onnx", "host", "none", kv_cache="fp16")
+    assert "kv_step" not in meta and "--kv-cache fp16 changes nothing (no in-place cache)" in notes
+
+
+@pytest.mark.parametrize("kv_cache", ["model", "fp16"])
+def test_grouped_attention_matmuls_are_scheduled_right(hf_dir, kv_cache):
     """The step's attention matmuls (q and p grouped by KV head: rows = heads per KV head x
     seq, here 4 x seq: whole register tiles, no padded copies) under the generic CPU rule
-    equal TVM's default loops at several bindings of batch, seq and kv_length."""
+    equal TVM's default loops at several bindings of batch, seq and kv_length; a float16
+    cache (widened as it is read) takes the same register-tile rule."""
     from qtvm.bench.e2e import export_model
     from qtvm.target import parse_target
     from schedules.verify import compare
@@ -212,8 +290,9 @@ def test_grouped_attention_matmuls_are_scheduled_right(hf_dir):
     if not path.exists():
         export_model(cfg, path)
     target = parse_target("host")
-    mod, meta, *_ = build_module(path, target, "none", max_length=256)
+    mod, meta, *_ = build_module(path, target, "none", max_length=256, kv_cache=kv_cache)
     assert meta["kv_step"]["fused_attention"] == 2
+    assert meta["kv_step"]["cache_dtype"] == ("float16" if kv_cache == "fp16" else "float32")
     fused = fuse_generic_ops(mod, target)
     def attention(func):  # a reduction whose buffers span the cache length
         text = func.script()
@@ -225,6 +304,8 @@ def test_grouped_attention_matmuls_are_scheduled_right(hf_dir):
     assert len(pairs) == 2, [p[0] for p in pairs]
     # whole tiles (4 x seq rows; head dim 16 and 64 x kv_blocks columns): no padded copies of the cache
     assert not any("_pad" in sch.script() for _, _, sch in pairs)
+    for name, func, sch in pairs:  # the matmul rule's register tile, reading the cache in its dtype
+        assert 'scope="local"' in sch.script() and ("float16" in func.script()) == (kv_cache == "fp16"), name
     bindings = [{"batch": b, "seq": s, "kv_blocks": n} for b, s, n in [(1, 1, 1), (2, 3, 1), (1, 67, 2), (3, 64, 3)]]
     bad = [f"{name}: {m}" for name, func, scheduled in pairs for m in compare(func, scheduled, target, bindings)]
     assert not bad, bad
