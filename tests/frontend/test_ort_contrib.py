@@ -250,6 +250,22 @@ def test_builder_model(hf_dir, tmp_path, family):
     np.testing.assert_array_equal(generate(module, prompt, 8)[0, len(prompt):], reference)
 
 
+def test_builder_model_half_cache(hf_dir, tmp_path):
+    """``--kv-cache fp16`` on a builder model: its GroupQueryAttention, lowered to the exported
+    attention's form, still reads the cache in place (every attention matmul rewritten), and
+    greedy tokens equal onnxruntime's with float32 caches."""
+    from qtvm import runtime
+    from qtvm.generate import generate
+
+    path = cached_model(hf_dir, "llama")
+    module = runtime.load(compile_model(path, tmp_path / "llama16.so", "host", "int4-g128", kv_cache="fp16").path)
+    info = module.metadata["kv_step"]
+    assert info["cache_dtype"] == "float16" and info["fused_attention"] == 4
+    prompt = np.array([5, 17, 99, 3, 250], np.int64)
+    reference = _ort_greedy(float_activations(path, tmp_path / "acc0.onnx"), module.inputs, prompt, 8)
+    np.testing.assert_array_equal(generate(module, prompt, 8)[0, len(prompt):], reference)
+
+
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_builder_model_refused_by_name(hf_dir, tmp_path, family):
     """What qtvm does not model yet (Gemma 2's sliding-window cache: its sliding layers keep only
