@@ -10,8 +10,8 @@ Engines, all on the same exported model:
 
 * ``qtvm int4-g128`` (fp32 activations) and ``qtvm int4-g128 --act int8``: the artefact's
   in-place KV-cache step (``qtvm.generate``); on request (``--engines``) the same for
-  ``bcq3-g128`` (LUT-GEMM decode), and ``--act int8 --kv-cache fp16`` (caches in float16:
-  its logits' cosine against onnxruntime fp32 is in the table);
+  ``bcq3-g128`` (LUT-GEMM decode), and ``--act int8 --kv-cache fp16`` (caches in float16;
+  with ``ort-fp32`` among the engines, the table gives each one's logits cosine against it);
 * ``ort fp32``: onnxruntime on the exported model;
 * ``ort int4 (MatMulNBits acc=4)``: onnxruntime on the model quantized by its own
   ``MatMulNBitsQuantizer`` (block 128, with zero points, accuracy_level 4: int8

@@ -339,35 +339,39 @@ def test_q_k_transposed_prefetches_its_key_rows():
             np.testing.assert_allclose(out.numpy(), a @ b, rtol=1e-4, atol=1e-4)
 
 
-def test_q_k_transposed_packs_key_panels_for_many_rows():
+@pytest.mark.parametrize("keys_dtype", ["float32", "float16"])
+def test_q_k_transposed_packs_key_panels_for_many_rows(keys_dtype):
     """Prefill's q @ K^T over the KV step's keys (64 x blocks): from 64 rows a head on, column
     tiles outermost, each tile's keys copied once into a contiguous panel that every row tile
     reads (the keys' rows, the key count apart, thrash L1 at 512 or 1024 keys); below (decode)
     the streaming nest with its key-row prefetch. Grouped-query rows (seq x 8 a kv head, whole
     tiles) and one row a head (MHA: q padded to whole tiles) alike. Both nests against numpy,
-    at row counts either side of the threshold and key counts that alias in L1 (1024) or not."""
+    at row counts either side of the threshold and key counts that alias in L1 (1024) or not;
+    keys in float16 too (``--kv-cache fp16``: widened as read, the panel kept in float16)."""
     seq, blocks = tirx.Var("seq", "int64"), tirx.Var("kv_blocks", "int64")
     for group in (8, 1):
         q = te.placeholder((1, 4, seq * group, 64), name="q")
-        keys = te.placeholder((1, 4, 64, blocks * 64), name="keys")
+        keys = te.placeholder((1, 4, 64, blocks * 64), name="keys", dtype=keys_dtype)
         r = te.reduce_axis((0, 64), name="r")
-        scores = te.compute((1, 4, seq * group, blocks * 64),
-                            lambda b, h, i, j: te.sum(q[b, h, i, r] * keys[b, h, r, j], axis=r), name="scores")
+        scores = te.compute((1, 4, seq * group, blocks * 64), lambda b, h, i, j: te.sum(
+            q[b, h, i, r] * keys[b, h, r, j].astype("float32"), axis=r), name="scores")
         scaled = te.compute(scores.shape, lambda *i: scores(*i) * tirx.const(0.125, "float32"), name="scaled")
         scheduled = schedule_generic_func(te.create_prim_func([q, keys, scaled, seq, blocks]), 16)
         text = scheduled.script()
         packed, streamed = text.split("\n    else:\n")
         assert ("if seq * T.int64(8) >= T.int64(64):" if group == 8 else "if seq >= T.int64(64):") in packed
         assert 'T.sblock("keys_global")' in packed and "llvm.prefetch" not in packed
+        panel = next(line for line in packed.splitlines() if "keys_global = T.sblock_alloc_buffer(" in line)
+        assert panel.endswith('"float16")') == (keys_dtype == "float16"), panel  # the cache's bytes, not widened
         assert "keys_global" not in streamed and "llvm.prefetch" in streamed
         built = _compiled(scheduled)
         rng = np.random.default_rng(group)
         for s, n in ((1, 1024), (7, 192), (8, 1024), (8, 64), (33, 1088), (70, 1024)):
             a = rng.standard_normal((1, 4, s * group, 64)).astype(np.float32)
-            b = rng.standard_normal((1, 4, 64, n)).astype(np.float32)
+            b = rng.standard_normal((1, 4, 64, n)).astype(keys_dtype)
             out = tvm.runtime.tensor(np.full((1, 4, s * group, n), np.nan, np.float32))
             built["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out, s, n // 64)
-            np.testing.assert_allclose(out.numpy(), (a @ b) * 0.125, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(out.numpy(), (a @ b.astype(np.float32)) * 0.125, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("lanes", [16, 8])
