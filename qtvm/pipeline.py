@@ -239,8 +239,8 @@ def _check_kv_functions(path, meta: dict) -> tuple[str | None, str | None, float
 
     module = Module(path)
     tol = 3e-2 if meta["activations"] == "int8" else 1e-3  # int8 rounding may flip on a 1e-7 difference
-    if _held_in_half(meta):
-        tol = max(tol, 1e-2)  # rows rounded to 11 bits; a wrong rewrite is off by O(1)
+    if _held_in_half(meta):  # rows rounded to 11 bits (which flips further int8 roundings); a wrong rewrite
+        tol = 6e-2 if meta["activations"] == "int8" else 1e-2  # is off by O(1): 8-layer LLaMA int8 3.3e-2
     errors = generate.step_errors(module) or {}
     worst = max((e for what, e in errors.items() if what.startswith("logits")), default=None)
     problem = generate.first_over(errors, tol)
