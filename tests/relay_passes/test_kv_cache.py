@@ -255,6 +255,17 @@ def test_step_that_disagrees_with_main_is_dropped(tmp_path, monkeypatch):
                in n for n in bad.notes), bad.notes
 
 
+def test_step_tolerance_widens_only_for_a_half_cache():
+    from qtvm.pipeline import step_tolerance
+
+    def meta(acts, cache_dtype, model_dtype="float32"):
+        return {"activations": acts, "inputs": [{"name": "past", "dtype": model_dtype}],
+                "kv_step": {"caches": ["past"], "cache_dtype": cache_dtype}}
+    assert step_tolerance(meta("fp32", "float32")) == 1e-3 and step_tolerance(meta("int8", "float32")) == 3e-2
+    assert step_tolerance(meta("fp32", "float16")) == 1e-2 and step_tolerance(meta("int8", "float16")) == 6e-2
+    assert step_tolerance(meta("fp32", "float16", "float16")) == 1e-3  # a float16 model's own cache
+
+
 def test_half_cache_read_by_an_attention_the_rewrite_leaves(tmp_path):
     """A cache the attention rewrite does not take (the mini model reads its present twice)
     is widened back to float32 for the model's own ops; the step, checked against main at
