@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.pipeline import build_module, compile_model  # the compiler's TVM first
 from relay_passes.kv_cache import PAD, STEP_FUNC
+from tests.gpu import needs_nvcc
 
 LENGTH = "kv_blocks * T.int64(64)"  # kv_length as the step's shapes print
 from tests.frontend.transformers_exports import feeds
@@ -253,6 +254,18 @@ def test_step_that_disagrees_with_main_is_dropped(tmp_path, monkeypatch):
     assert "kv_step" not in bad.metadata
     assert any("no in-place KV-cache step (logits at past 0, 3 tokens differ from main's by 5.00e-01 (relative))"
                in n for n in bad.notes), bad.notes
+
+
+@pytest.mark.parametrize("target", [pytest.param("cuda -arch=sm_90", marks=needs_nvcc), "opencl -device=mali"])
+def test_half_cache_builds_for_gpu_targets(hf_model, tmp_path, target):
+    """``--kv-cache fp16`` for a GPU: the mixed-dtype attention matmuls (float32 q or p, the
+    float16 cache) are scheduled by the GPU rules and the artefact builds (nvcc for CUDA); not
+    run here (no GPU; the step is checked against main only where it runs)."""
+    result = compile_model(hf_model("llama", "legacy", True), tmp_path / "gpu16.so", target, "int4-g128",
+                           kv_cache="fp16", host="llvm")
+    info = result.metadata["kv_step"]
+    assert info["cache_dtype"] == "float16" and info["fused_attention"] == 4
+    assert "the KV-cache step was not run against main here (another machine's target)" in result.notes
 
 
 def test_step_tolerance_widens_only_for_a_half_cache():
