@@ -308,16 +308,11 @@ def step_errors(module, seed: int = 0) -> dict[str, float] | None:
     return errors
 
 
-def check_step(module, seed: int = 0, tol: float = 1e-3) -> str | None:
-    """``step_errors`` against ``tol``: None when every one is within it, else what differed."""
-    return first_over(step_errors(module, seed) or {}, tol)
-
-
 def first_over(errors: dict[str, float], tol: float) -> str | None:
     """The first of ``step_errors``' errors over ``tol`` (or not finite), said; else None."""
     for what, err in errors.items():
         if not np.isfinite(err) or err > tol:
-            return f"{what} differ from main's by {err:.2e} (relative)"
+            return f"{what}: {err:.2e} from main's (relative to its largest value)"
     return None
 
 
