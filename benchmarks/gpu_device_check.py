@@ -46,12 +46,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TIMING_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672)]
-TIMING_FORMATS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "fp32"), ("int2-g64", "fp32"),
+TIMING_FORMATS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int4-g128-f16", "fp32"), ("int3-g128", "fp32"), ("int2-g64", "fp32"),
                   ("e0m4-g128", "fp32"), ("e0m4-g128", "fp16"), ("bcq3-g128", "fp32"), ("bcq3-g128", "fp32-lut"),
                   ("int8-g32", "fp32")]
 MODEL_PRESETS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "fp32"), ("e0m4-g128", "fp32"),
                  ("bcq3-g128", "fp32"), ("mixed-2-4-16", "fp32"), ("int4-g128-qz", "fp32"), ("e0m4-g128", "fp16"),
-                 ("int8-g32", "fp16")]
+                 ("int8-g32", "fp16"), ("int4-g128-f16", "fp32")]
 MODEL_BINDINGS = [(1, 1), (2, 3), (1, 67), (3, 16)]
 VECTOR_CASES = [("int4-g128", 4096, 70), ("int3-g128", 2048, 37), ("e0m4-g128", 4096, 37), ("int8-g32", 4096, 37),
                 ("int2-g64", 4096, 37), ("bcq3-g128", 1024, 37), ("int4-g128-qz", 2048, 37)]
@@ -61,6 +61,16 @@ GEMM_ROWS = 256
 ROWS_SHAPES = [(4096, 11008), (11008, 4096)]
 ROWS = (1, 2, 3, 4, 8, 16)
 LAYER_PRESETS = ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128"]
+#: the in-place KV-cache step (``qtvm.generate.KVSession``) on the GPU: (source, family, exporter,
+#: quant, activations, cache dtype); "hf" is a transformers export, "genai" onnxruntime-genai's
+#: builder (GroupQueryAttention, int4 MatMulNBits as written)
+KV_MODELS = [("hf", "llama", "legacy", "int4-g128", "fp32", "model"), ("hf", "llama", "legacy", "int4-g128", "fp32", "fp16"),
+             ("hf", "llama", "legacy", "int4-g128", "fp16", "fp16"), ("hf", "qwen3", "dynamo", "int4-g128", "fp32", "model"),
+             ("hf", "qwen3", "dynamo", "int4-g128", "fp32", "fp16"), ("hf", "gpt2", "legacy", "int4-g128", "fp32", "model"),
+             ("genai", "llama", "", "int4-g128", "fp32", "model"), ("genai", "llama", "", "int4-g128", "fp32", "fp16")]
+#: feeds of the KV check, batch 2 (row 1 left-padded by 5 in the prompt): (tokens, last only);
+#: the cache crosses 64 tokens (its rows re-laid) at the third feed
+KV_FEEDS = [(60, True), (1, False), (7, False), (1, True), *[(1, False)] * 8]
 #: ``--act fp16`` prefill on tensor cores (``schedules/gpu_gemm_tc.py``): checked at these rows
 #: (awkward shapes from tests/schedules/test_gpu_gemm_tc.py, and int4 at K = 2048), timed
 #: for int4-g128 at each M below (beside torch's fp16 matmul and, at M <= 16, the fp16 GEMV),
@@ -164,7 +174,7 @@ def _timing_func(preset: str, act: str, k: int, n: int, target):
 
 
 def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "rows", "layers", "models", "tc",
-                                      "tc_timing")) -> None:
+                                      "tc_timing", "kv")) -> None:
     """Each part writes its files and its manifest entries; an existing manifest keeps the
     entries of the parts not rebuilt."""
     from qtvm.target import parse_target
@@ -173,7 +183,7 @@ def build(out: Path, arch: str, parts=("kernels", "timing", "gemm", "sweep", "ro
     out.mkdir(parents=True, exist_ok=True)
     path = out / "manifest.json"
     manifest = {"kernels": [], "timing": [], "gemm": [], "sweep": [], "rows": [], "layers": [], "models": [],
-                "tc": [], "tc_timing": [],
+                "tc": [], "tc_timing": [], "kv": [],
                 **(json.loads(path.read_text()) if path.is_file() else {}),
                 "arch": arch, "l2_bytes": int(target.attrs["l2_cache_size_bytes"])}
     for part in parts:
@@ -355,8 +365,8 @@ def _build_layers(out: Path, target, manifest: dict) -> None:
     refs = {}
     for preset in LAYER_PRESETS:
         built = {}
-        for t in (target, parse_target("host")):
-            mod, *_ = build_module(model, t, preset, "fp32")
+        for t in (target, parse_target("host")):  # the CPU's layers uncombined: dispatch i is the same layer
+            mod, *_ = build_module(model, t, preset, "fp32", combine=False)
             built[t.kind.name] = (mod, _layer_module(mod, t))
         name = f"layers_{_slug(preset)}"
         built["cuda"][1].export_library(str(out / f"{name}.so"))
@@ -401,6 +411,60 @@ def _build_models(out: Path, target, manifest: dict) -> None:
         print(f"built {name} ({time.perf_counter() - start:.0f} s)", flush=True)
     (out / "cpu.so").unlink(missing_ok=True)
     np.savez_compressed(out / "models.npz", **refs)
+
+
+def _kv_feeds(seed: int = 0) -> list[tuple[np.ndarray, np.ndarray | None, bool]]:
+    """(ids [2, n], mask or None, last) per feed of KV_FEEDS."""
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for i, (n, last) in enumerate(KV_FEEDS):
+        mask = None
+        if i == 0:
+            mask = np.ones((2, n), np.int64)
+            mask[1, :5] = 0
+        feeds.append((rng.integers(0, 256, (2, n)).astype(np.int64), mask, last))
+    return feeds
+
+
+def _kv_run(module, feeds, prefix: str) -> dict:
+    """Each feed's logits and, after the last, every cache as the session holds it."""
+    session = module.session(2)
+    got = {f"{prefix}/logits{i}": session.feed(ids, mask, last=last).copy() for i, (ids, mask, last) in enumerate(feeds)}
+    for name in module.metadata["kv_step"]["caches"]:
+        got[f"{prefix}/cache/{name}"] = session.cache(name)
+    return got
+
+
+def _build_kv(out: Path, target, manifest: dict) -> None:
+    """The KV models as CUDA artefacts, and the same compile for the CPU run through the same
+    feeds here: the reference is the CPU's step with the same cache dtype (a float16 cache's
+    rounding is in both)."""
+    from qtvm import runtime
+    from qtvm.pipeline import compile_model
+    from tests.frontend import genai_builder_models, transformers_exports
+
+    exports = Path(os.environ.get("QTVM_TEST_EXPORTS") or out / "exports")
+    feeds = _kv_feeds()
+    refs = {}
+    for source, family, exporter, quant, act, kv_cache in KV_MODELS:
+        path = genai_builder_models.cached_model(exports, family) if source == "genai" else \
+            transformers_exports.cached_export(exports, family, exporter, kv=True)
+        name = _slug("_".join(filter(None, ("kv", source, family, exporter, quant, act, kv_cache))))
+        start = time.perf_counter()
+        try:
+            compile_model(path, out / f"{name}.so", target, quant, act, max_batch=2, kv_cache=kv_cache)
+        except Exception as e:  # noqa: BLE001 -- a failed compile is a finding, the rest goes on
+            manifest.setdefault("build_errors", []).append(f"{name}: {str(e).strip().splitlines()[-1][:300]}")
+            print(f"FAILED {name}: {str(e).strip().splitlines()[-1][:300]}", flush=True)
+            continue
+        cpu = compile_model(path, out / "cpu.so", "host", quant, "int8" if act == "int8" else "fp32", max_batch=2,
+                            kv_cache=kv_cache)  # --act fp16: against fp32 activations (no such CPU kernels)
+        refs.update(_kv_run(runtime.load(cpu.path), feeds, name))
+        bar = 1e-2 if act == "fp16" else 1e-3 if kv_cache == "fp16" else 1e-4
+        manifest["kv"].append({"name": name, "act": act, "kv_cache": kv_cache, "bar": bar})
+        print(f"built {name} ({time.perf_counter() - start:.0f} s)", flush=True)
+    (out / "cpu.so").unlink(missing_ok=True)
+    np.savez_compressed(out / "kv.npz", **refs)
 
 
 def _timed_entry(name: str, func, preset: str, act: str, k: int, n: int, **extra) -> dict:
@@ -548,6 +612,41 @@ def _check_models(d: Path, manifest: dict, results: dict) -> None:
 
 
 
+def _check_kv(d: Path, manifest: dict, results: dict) -> None:
+    """Each KV artefact's session on the GPU (caches in device memory) through the CPU's feeds:
+    logits per feed and the caches after them against the CPU step's; then decode time per
+    token at batch 1 (64 tokens after a 32-token prompt: one re-layout of the rows among them)."""
+    from qtvm import runtime
+
+    refs = np.load(d / "kv.npz")
+    feeds = _kv_feeds()
+    results.setdefault("kv", [])
+    for entry in manifest["kv"]:
+        name = entry["name"]
+        try:
+            module = runtime.load(d / f"{name}.so")
+            got = _kv_run(module, feeds, name)
+        except Exception as e:  # noqa: BLE001
+            results.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            results["kv"].append({"name": name, "what": "session", "rel_err": float("inf"), "bar": entry["bar"],
+                                  "ok": False})
+            continue
+        for key, value in got.items():
+            err = _rel(value, refs[key].astype(np.float64)) if value.shape == refs[key].shape else float("inf")
+            results["kv"].append({"name": name, "what": key.split("/", 1)[1], "rel_err": err, "bar": entry["bar"],
+                                  "ok": err < entry["bar"]})
+        session = module.session(1)
+        session.feed(np.arange(32, dtype=np.int64)[None] % 256, last=True)
+        times = []
+        for i in range(64):
+            start = time.perf_counter()
+            session.feed(np.array([[i % 256]], np.int64))
+            times.append(time.perf_counter() - start)
+        results["kv_timing"] = results.get("kv_timing", []) + [{
+            "name": name, "ms_per_token_median": float(np.median(times)) * 1e3,
+            "ms_relayout_feed": float(times[64 - 32]) * 1e3, "ms_max": float(np.max(times)) * 1e3}]
+
+
 def _random_tensor(spec: dict, torch):
     shape = [d if isinstance(d, int) else 1 for d in spec["shape"]]
     dtype = getattr(torch, spec["dtype"])
@@ -665,7 +764,7 @@ def run(d: Path, out: Path, rounds: int, only=()) -> int:
     def _tracing(*args):
         _trace_models(*args, out)
 
-    steps = [_check_kernels, _check_tc, _check_layers, _check_models, _timing, _tracing]
+    steps = [_check_kernels, _check_tc, _check_layers, _check_models, _check_kv, _timing, _tracing]
     for step in [s for s in steps if s.__name__ in only] if only else steps:
         try:
             step(d, manifest, results)
@@ -673,16 +772,18 @@ def run(d: Path, out: Path, rounds: int, only=()) -> int:
             results.setdefault("errors", []).append(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         (out / "gpu_check.json").write_text(json.dumps(results, indent=1))  # what a cut-off run got
     _print(results)
-    return 0 if all(r["ok"] for r in results["kernels"] + results["layers"] + results["models"]) else 1
+    return 0 if all(r["ok"] for r in results["kernels"] + results["layers"] + results["models"]
+                    + results.get("kv", [])) else 1
 
 
 def _print(results: dict) -> None:
     print(f"\n{results['torch_device']} ({results['device_arch']})")
-    for r in results["kernels"] + results["layers"] + results["models"]:
+    for r in results["kernels"] + results["layers"] + results["models"] + results.get("kv", []):
         if not r["ok"]:
-            print(f"FAIL {r['name']} {r.get('m', r.get('binding'))}: rel err {r['rel_err']:.2e} (bar {r['bar']:.0e})")
-    for kind in ("kernels", "layers", "models"):
-        rows = results[kind]
+            print(f"FAIL {r['name']} {r.get('m', r.get('binding', r.get('what')))}: rel err {r['rel_err']:.2e} "
+                  f"(bar {r['bar']:.0e})")
+    for kind in ("kernels", "layers", "models", "kv"):
+        rows = results.get(kind, [])
         worst = max((r["rel_err"] for r in rows), default=float("nan"))
         print(f"{kind}: {sum(r['ok'] for r in rows)}/{len(rows)} within the bar; worst rel err {worst:.2e}")
     for line in results.get("errors", []):
@@ -691,6 +792,9 @@ def _print(results: dict) -> None:
     for r in results["timing"]:
         print(f"{r['shape']:>16} {r['kernel']:<26} {r['us']:8.2f} {r['GB_s']:7.0f} {r['pct_read_bw']:6.1f} "
               f"{r['TFLOP_s']:8.2f}")
+    for r in results.get("kv_timing", []):
+        print(f"{r['name']:<48} decode {r['ms_per_token_median']:.3f} ms/token (median of 64; the feed that "
+              f"re-lays the rows {r['ms_relayout_feed']:.3f} ms)")
 
 
 def pack(out: Path, python: str) -> None:
@@ -724,7 +828,7 @@ def main() -> int:
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
     b.add_argument("--arch", default="sm_90")
-    b.add_argument("--parts", default="kernels,timing,gemm,sweep,rows,layers,models,tc,tc_timing")
+    b.add_argument("--parts", default="kernels,timing,gemm,sweep,rows,layers,models,tc,tc_timing,kv")
     r = sub.add_parser("run")
     r.add_argument("dir", type=Path)
     r.add_argument("out", type=Path)

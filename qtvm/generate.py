@@ -73,7 +73,6 @@ class KVSession:
     mode = "in-place cache (qtvm_kv_step)"
 
     def __init__(self, module, batch: int = 1):
-        import tvm
         import tvm_ffi
 
         info = module.metadata["kv_step"]
@@ -86,6 +85,8 @@ class KVSession:
         specs = {s["name"]: s for s in module.inputs}
         self._order = [s["name"] for s in module.inputs]
         self._ids_name, self._positions_name = info["ids"], info.get("positions")
+        module._use_device()  # a GPU artefact: its device, and the VM placed on it
+        self._device = module._device  # None: the CPU, where the buffers are numpy's too
         self._step = module._vm[info["function"]]
         self._step_last = module._vm[info["last_function"]] if info.get("last_function") else None
         self._shape = tvm_ffi.Shape
@@ -99,35 +100,73 @@ class KVSession:
                 _, heads, _, dim = spec["shape"]
                 dtype = info.get("cache_dtype") or spec["dtype"]  # --kv-cache fp16: float16 buffers
                 self._rows[name] = (int(heads), int(dim), dtype, layout)
-                self._buffers[name] = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),), dtype)
+                self._buffers[name] = self._empty(batch * int(heads) * self.max_length * int(dim), dtype)
         for name, buf in self._buffers.items():
-            self._flat[name] = np.from_dlpack(buf)
-            self._flat[name][:] = 0  # padded keys must be finite: probability 0 times a value
+            if self._device is None:
+                self._flat[name] = np.from_dlpack(buf)
+                self._flat[name][:] = 0  # padded keys must be finite: probability 0 times a value
         self._mask_dtype = specs[info["mask"]]["dtype"]
-        self._mask_buf = tvm.runtime.empty((batch * self.max_length,), self._mask_dtype)
-        self._mask_flat = np.from_dlpack(self._mask_buf)
+        self._mask_buf = self._empty(batch * self.max_length, self._mask_dtype)
+        # edited here, in place on the CPU; on a GPU a host copy, uploaded after each edit
+        self._mask_flat = np.from_dlpack(self._mask_buf) if self._device is None else \
+            np.zeros(batch * self.max_length, self._mask_dtype)
         self._mask_flat[:] = 0
         self.length = 0
         self._layout = 0  # the L the buffers are laid out for (0: nothing yet)
         self._views: dict = {}
-        self._ids: dict = {}  # n -> (staging array [batch, n], its tensor): no allocation per token
+        self._ids: dict = {}  # n -> (staging array [batch, n] or None on a GPU, its tensor): no allocation per token
         self._positions: dict = {}  # the same for position_ids, where the model takes them
+
+    def _empty(self, n: int, dtype: str):
+        """A flat buffer on the artefact's device: on the CPU uninitialised (zeroed once its
+        pages are huge), on a GPU zeroed by one copy (padded keys must be finite: probability
+        0 times a value)."""
+        import tvm
+
+        if self._device is None:
+            return tvm.runtime.empty((n,), dtype)
+        buf = tvm.runtime.empty((n,), dtype, self._device)
+        buf.copyfrom(np.zeros(n, dtype))
+        return buf
 
     # -- cache layout ----------------------------------------------------------------------
     def _relayout(self, new: int) -> None:
         """Move every row from length ``self._layout`` to ``new`` (> it) in its buffer (rows:
         (batch, head) of [length, dim] blocks, or (batch, head, dim) of transposed keys);
-        the padding after each row is zeroed (masked keys must still be finite)."""
+        the padding after each row is zeroed (masked keys must still be finite). On a GPU the
+        used part goes through host memory once (one copy each way per buffer, every 64 tokens:
+        transposed keys would be a copy per value on the device)."""
         old = self._layout
-        for name, flat in self._flat.items():
-            heads, dim, _, layout = self._rows[name]
+        for name, buf in self._buffers.items():
+            heads, dim, dtype, layout = self._rows[name]
             rows, width = (self.batch * heads, dim) if layout == "bhld" else (self.batch * heads * dim, 1)
-            _move_rows(flat, rows, old * width, new * width)
+            if self._device is None:
+                _move_rows(self._flat[name], rows, old * width, new * width)
+                continue
+            moved = np.zeros((rows, new * width), dtype)
+            if old:
+                moved[:, :old * width] = buf._create_view((rows, old * width), dtype).numpy()
+            buf._create_view(moved.shape, dtype).copyfrom(moved)
         _move_rows(self._mask_flat, self.batch, old, new)
         self._layout = new
         self._views = {name: buf._create_view(self._shape_of(name, new), self._rows[name][2])
                        for name, buf in self._buffers.items()}
         self._views[self.info["mask"]] = self._mask_buf._create_view((self.batch, new), self._mask_dtype)
+
+    def _staged(self, cache: dict, values: np.ndarray):
+        """``values`` ([batch, n] int64) in the tensor kept for their n: host memory the step
+        reads in place on the CPU, a device tensor written by one copy on a GPU."""
+        tensor = cache.get(values.shape[1])
+        if tensor is None:
+            import tvm
+
+            tensor = cache[values.shape[1]] = _aligned(values.shape, np.int64) if self._device is None else \
+                (None, tvm.runtime.empty(values.shape, "int64", self._device))
+        if tensor[0] is None:
+            tensor[1].copyfrom(values)
+        else:
+            tensor[0][...] = values
+        return tensor[1]
 
     def _shape_of(self, name: str, length: int) -> tuple:
         heads, dim, _, layout = self._rows[name]
@@ -139,8 +178,10 @@ class KVSession:
 
     def cache(self, name: str) -> np.ndarray:
         """Cache ``name``'s first ``length`` positions, [batch, heads, length, dim] (a copy)."""
-        heads, dim, _, layout = self._rows[name]
-        full = self._flat[name][:self.batch * heads * self._layout * dim].reshape(self._shape_of(name, self._layout))
+        heads, dim, dtype, layout = self._rows[name]
+        shape = self._shape_of(name, self._layout)
+        full = self._flat[name][:int(np.prod(shape))].reshape(shape) if self._device is None else \
+            self._buffers[name]._create_view(shape, dtype).numpy()
         if layout == "bhdl":  # keys kept transposed for the attention
             return full[..., :self.length].transpose(0, 1, 3, 2).copy()
         return full[:, :, :self.length].copy()
@@ -167,21 +208,16 @@ class KVSession:
             self._relayout(layout)
         m = self.mask()
         m[:, self.length:total] = 1 if attention_mask is None else np.asarray(attention_mask).reshape(self.batch, n)
-        staged = self._ids.get(n)
-        if staged is None:
-            staged = self._ids[n] = _aligned((self.batch, n), np.int64)
-        staged[0][...] = ids
-        views = self._views
-        fed = {self._ids_name: staged[1]}
+        fed = {self._ids_name: self._staged(self._ids, ids)}
         if self._positions_name is not None:
-            at = self._positions.get(n)
-            if at is None:
-                at = self._positions[n] = _aligned((self.batch, n), np.int64)
-            at[0][...] = positions_from_mask(m[:, :total], n)
-            fed[self._positions_name] = at[1]
+            fed[self._positions_name] = self._staged(self._positions, positions_from_mask(m[:, :total], n))
+        views = self._views
+        if self._device is not None:
+            views[self.info["mask"]].copyfrom(m)
         args = [fed[name] if name in fed else views[name] for name in self._order]
         step = self._step_last if last and n > 1 and self._step_last is not None else self._step
-        logits = np.from_dlpack(step(*args, self._shape((self.length, layout // self.pad))))
+        out = step(*args, self._shape((self.length, layout // self.pad)))
+        logits = np.from_dlpack(out) if self._device is None else out.numpy()
         self.length = total
         return logits[:, -1:] if last else logits  # the VM's own fresh output: a view, no copy
 

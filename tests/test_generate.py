@@ -95,6 +95,39 @@ def test_past_the_maximum_length(hf_compiled):
         module.generate(prompt, 5)
 
 
+@pytest.mark.parametrize("family,exporter,kv_cache", [("llama", "legacy", "fp16"), ("qwen3", "dynamo", "model")])
+def test_device_buffers_session_matches_the_host_session(hf_compiled, family, exporter, kv_cache):
+    """The session's GPU branch (caches, mask and ids in device tensors, the mask uploaded per
+    feed, rows re-laid through host memory) run with the CPU standing in as the device: the
+    same logits and caches as the host session, bit for bit, over a left-padded batch of 2
+    whose cache crosses two 64-token layouts, the last-position step included. (On a GPU the
+    branch is run by benchmarks/gpu_device_check.py's kv part.)"""
+    import tvm
+
+    from qtvm import runtime
+
+    path = hf_compiled(family, exporter, "int4-g128", kv=True, kv_cache=kv_cache).path
+    host, device = runtime.load(path), runtime.load(path)
+    device._device = tvm.cpu(0)  # a "device" the session copies to and from
+    a, b = host.session(2), device.session(2)
+    assert a._device is None and b._device is not None and not b._flat
+    rng = np.random.default_rng(3)
+    mask = np.ones((2, 60), np.int64)
+    mask[1, :5] = 0
+    for n, last in ((60, True), (1, False), (7, False), (1, True), (70, False), (1, False)):
+        ids = rng.integers(0, 256, (2, n)).astype(np.int64)
+        m = mask if n == 60 else None
+        np.testing.assert_array_equal(b.feed(ids, m, last=last), a.feed(ids, m, last=last))
+    assert a.length == b.length == 140 and b._layout == 192
+    np.testing.assert_array_equal(b.mask(), a.mask())
+    for name in host.metadata["kv_step"]["caches"]:
+        np.testing.assert_array_equal(b.cache(name), a.cache(name))
+    value = host.metadata["kv_step"]["caches"][1]  # [batch, heads, L, dim]
+    heads, dim = b._rows[value][:2]
+    padding = b._buffers[value].numpy()[:2 * heads * 192 * dim].reshape(2, heads, 192, dim)[:, :, 140:]
+    assert not padding.any()  # the rows' padding zeroed, as on the host
+
+
 def test_session_errors_and_fallback(hf_compiled, tiny_llama_int4):
     """Batch beyond the compiled plan, wrong ids, a model without a cache; the fallback
     (presents fed back through main) gives the same tokens as the in-place step."""

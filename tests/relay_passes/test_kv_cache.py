@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.pipeline import build_module, compile_model  # the compiler's TVM first
+from qtvm.errors import QtvmError
 from relay_passes.kv_cache import PAD, STEP_FUNC
 from tests.gpu import needs_nvcc
 
@@ -266,6 +267,13 @@ def test_half_cache_builds_for_gpu_targets(hf_model, tmp_path, target):
     info = result.metadata["kv_step"]
     assert info["cache_dtype"] == "float16" and info["fused_attention"] == 4
     assert "the KV-cache step was not run against main here (another machine's target)" in result.notes
+    if target.startswith("cuda"):  # no GPU here: the session says so in one line (it was TVM's device mismatch)
+        from qtvm import runtime
+        from qtvm.cuda import device_arch
+
+        if device_arch() is None:
+            with pytest.raises(QtvmError, match="runs on an NVIDIA GPU \\(sm_90 or newer\\) but no CUDA device"):
+                runtime.load(result.path).generate(np.array([[1, 2, 3]], np.int64), 2)
 
 
 def test_step_tolerance_widens_only_for_a_half_cache():
