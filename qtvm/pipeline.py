@@ -76,7 +76,8 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     ``calib`` (``qtvm.gptq_compile``). ``dims`` {input dim name: expression} restates dims the
     exporter named on its own (``--dim s53='past + seq'``: ``frontend.onnx.rename_dims``).
     ``combine``: matmuls sharing an input and a column-independent format run as one kernel
-    (``relay_passes.combine_matmuls``; x86 only, where it is checked bit for bit)."""
+    (``relay_passes.combine_matmuls``; every target's kernels compute a column alone: tested bit
+    for bit on x86 and, for the GPU rules, on PoCL)."""
     from qtvm.formats.gptq_checkpoint import GptqCheckpoint
     from qtvm.frontend.quantized import lower_quantized
     from qtvm.gptq_compile import CalibratedCheckpoint, base_format, is_gptq_preset
@@ -140,7 +141,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         from relay_passes.dense_weights import dense_weights
 
         mod, meta["dense_matmuls"] = dense_weights(mod, target)
-    if combine and fmt is not None and fmt.columns_independent and target.kind.name == "llvm":
+    if combine and fmt is not None and fmt.columns_independent:
         from relay_passes.combine_matmuls import combine_matmuls
 
         mod, combined = combine_matmuls(mod)

@@ -7,11 +7,17 @@ back into three is one call streaming all three weights (measured on Zen 4, int4
 int8 GEMV, 1 thread, DRAM-cold: q+k+v at K = 2048 126 us against 98 + 19 + 19; gate+up
 479 us against 2 x 264).
 
+On a GPU the gain is the kernel's own: a 4096-deep int4 GEMV streams a few MB in a few
+microseconds, too short to fill the card (H200, CUDA graphs: q+k+v of LLaMA-7B 15.9 us against
+3 x 7.3, gate+up 25.8 against 2 x 14.9; GQA at hidden 2048 4.7 against 3.9 + 2 x 3.3), and the
+decode step, bound by the host's launches, makes fewer of them.
+
 It is exact only where quantizing ``[W1 | W2]`` gives ``[quantize(W1) | quantize(W2)]``
 column for column (``QuantFormat.columns_independent``) and the kernels compute each
-column alone, as every x86 GEMV and prefill kernel does: the combined outputs are the
-separate ones bit for bit (``tests/relay_passes/test_combine_matmuls.py``). Where either
-is not known the caller does not run this pass.
+column alone, as every x86 GEMV and prefill kernel and the CUDA and OpenCL rules' GEMVs
+and GEMMs do (a column's sum order follows K alone): the combined outputs are the separate
+ones bit for bit (``tests/relay_passes/test_combine_matmuls.py``: whole models on x86, the
+GPU kernels on PoCL). Where either is not known the caller does not run this pass.
 
 Combined: ``v_i = matmul(x, W_i)`` bindings of one dataflow block with the same ``x``
 (float32) and 2-D float32 constant weights ``W_i`` (directly or through

@@ -10,6 +10,7 @@ from tvm import relax
 from qtvm.formats import PRESETS
 from relay_passes.combine_matmuls import combine_matmuls
 from relay_passes.quantize_weights import MATMUL
+from tests.gpu import needs_opencl
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 
@@ -95,6 +96,55 @@ def test_formats_that_allow_it_quantize_columns_alone():
         both = fmt.quantize(np.concatenate([w1, w2], axis=1)).dequantize()
         apart = np.concatenate([fmt.quantize(w1).dequantize(), fmt.quantize(w2).dequantize()], axis=1)
         np.testing.assert_array_equal(both, apart, err_msg=name)
+
+
+def _gpu_kernels(target):
+    """(name, func(fmt, k, n), rows) of the GPU kernels a combined layer runs under ``target``
+    (the fp16 GEMV where the format has one)."""
+    from qtvm import ops
+    from qtvm.ops_gemm import qmatmul_gemm_func
+    from qtvm.target import parse_target
+    from schedules import facts
+    from tests.gpu import scheduled
+
+    f = facts(target)
+    yield "gemv", lambda fmt, k, n: scheduled(ops.qmatmul_func(fmt, k, n, f.col_block, **f.gemv_options(fmt, k)),
+                                              target), (1, 3)
+    yield "gemm", lambda fmt, k, n: scheduled(qmatmul_gemm_func(fmt, k, n, f.col_block), target), (5, 33)
+    # CUDA's fp16 decode calls a CUDA intrinsic PoCL cannot run: the same rule for plain OpenCL
+    f16_target = parse_target("opencl") if target.kind.name == "cuda" else target
+    yield "gemv --act fp16", lambda fmt, k, n: scheduled(ops.qmatmul_f16_func(fmt, k, n, 1, **f.gemv_options(fmt, k)),
+                                                         f16_target), (1, 3)
+
+
+@needs_opencl
+@pytest.mark.parametrize("device", ["cuda", "mali"])
+@pytest.mark.parametrize("preset", ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128", "int8-g32-f16"])
+def test_gpu_kernels_compute_each_column_alone(device, preset):
+    """What lets the pass run for GPU targets: the CUDA and OpenCL rules' decode GEMVs (fp32
+    and fp16 activations) and prefill GEMM (on PoCL, half spelled float) give a column of ``x @ [W1 | W2]`` bit for bit as ``x @ W1`` or
+    ``x @ W2`` does (a column's sum order follows K alone). Awkward widths: N not a multiple
+    of a block's columns, K not of the group."""
+    from qtvm.formats import get_format
+    from qtvm.target import parse_target
+    from schedules import facts
+    from tests.gpu import blocked, run_on_pocl
+
+    target = parse_target("cuda -arch=sm_80" if device == "cuda" else "opencl -device=mali")
+    fmt, k, widths = get_format(preset), 300, (37, 70)
+    rng = np.random.default_rng(4)
+    parts = [rng.standard_normal((k, n)).astype(np.float32) for n in widths]
+    whole = fmt.quantize(np.concatenate(parts, axis=1))
+    for name, make, rows in _gpu_kernels(target):
+        if name.endswith("fp16") and not facts(target).f16_activations(fmt, k):  # int3, BCQ: none
+            continue
+        half = "-f16" in preset or name.endswith("fp16")  # PoCL has no cl_khr_fp16: half spelled float
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            both = run_on_pocl(make(fmt, k, sum(widths)), x, blocked(whole), sum(widths), half_as_float=half)
+            apart = np.concatenate([run_on_pocl(make(fmt, k, n), x, blocked(fmt.quantize(w)), n, half_as_float=half)
+                                    for n, w in zip(widths, parts)], axis=1)
+            np.testing.assert_array_equal(both, apart, err_msg=f"{name} m={m}")
 
 
 def _outputs(path, bindings):
