@@ -24,7 +24,10 @@ the other parts' entries),
     (weights are random bits made on the GPU: timing needs the layout, not the values);
   * tc, tc_timing: the ``--act fp16`` prefill GEMM on tensor cores on awkward shapes (against
     the numpy emulation of its fp16 rounding), and timed at M = 1..2048 beside torch's fp16
-    matmul and the fp16 GEMV at M <= 16.
+    matmul and the fp16 GEMV at M <= 16;
+  * kv: KV-cache models (transformers and onnxruntime-genai exports, float32 and float16
+    caches) as CUDA artefacts, with the logits of every feed and the caches of the same
+    compile's CPU session (``KV_FEEDS``: the cache crosses 64 tokens); timed per decode token.
 ``run`` loads them with TVM's runtime alone (TVM_USE_RUNTIME_LIB=1), checks every output
 against its reference (outputs poisoned with NaN first), then times with
 ``qtvm.bench.gpu_gemv``'s method (weights rotated past twice the L2, a CUDA graph per round,
