@@ -219,7 +219,7 @@ class KVSession:
         out = step(*args, self._shape((self.length, layout // self.pad)))
         logits = np.from_dlpack(out) if self._device is None else out.numpy()
         self.length = total
-        return logits[:, -1:] if last else logits  # the VM's own fresh output: a view, no copy
+        return logits[:, -1:] if last else logits  # the VM's fresh output (CPU: a view of it; GPU: its copy)
 
 
 class ConcatSession:
