@@ -54,6 +54,12 @@ print(json.dumps({"measured": report.measured, "history": len(conv.points),
                   "errors": {n: t.max_rel_err for n, t, _, _ in cmp.rows if t is not None},
                   "tuned_knobs": kernel_knobs(k.schedule("tuned"))}))
 """,
+    "generate.ipynb": """
+import json
+print(json.dumps({"same": {kv: int((t == reference).sum()) for kv, t in tokens.items()}, "new": NEW,
+                  "fp16_error": fp16_error, "top1": top1, "workdir_gone": not Path(work.name).exists(),
+                  "medians": {kv: float(np.median(t)) for kv, t in per_token.items()}}))
+""",
     "compile_and_check.ipynb": """
 import json
 print(json.dumps({act: [r.ok, r.tolerance, [row.err_own for row in r.rows], len(r.rows)]
@@ -92,6 +98,10 @@ def _check_values(name: str, v: dict) -> None:
         for act, (ok, tol, errs, rows) in v.items():
             assert ok and rows == 3 and max(errs) <= tol, (act, errs)
         assert max(v["fp32"][2]) < 1e-4
+    elif name == "generate.ipynb":
+        assert v["same"] == {"model": v["new"], "fp16": v["new"]}  # greedy tokens: onnxruntime's, both caches
+        assert 0 < v["fp16_error"] < 1e-2 and v["top1"] >= 0.95  # float16 caches: used, and close
+        assert v["workdir_gone"] and min(v["medians"].values()) > 0
     else:
         raise AssertionError(f"{name} has no value checks: add them to tests/notebooks/test_notebooks.py")
 
