@@ -141,6 +141,43 @@ def _rows_cumsum(mod: tvm.IRModule) -> tvm.IRModule:
     return rewriter.builder_.get()
 
 
+def _without_empty_concat_operands(mod: tvm.IRModule) -> tvm.IRModule:
+    """Concat operands of static extent 0 on the axis dropped (a concat left with one operand is
+    that operand), and the bindings that made them with it: Phi-3's rotary concatenates an empty
+    pass-through slice, whose zero-extent copy loop dlight's fallback rule fuses, and TVM's
+    Fuse divides by the extent. The same values: an empty operand adds nothing."""
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    concat = tvm.ir.Op.get("relax.concat")
+
+    def empty(field, axis: int) -> bool:
+        ty = field.ty
+        if not isinstance(ty, relax.TensorType) or ty.shape is None or not hasattr(ty.shape, "values"):
+            return False
+        extent = ty.shape.values[axis]
+        return isinstance(extent, tirx.IntImm) and extent.value == 0
+
+    @mutator
+    class _Dropper(PyExprMutator):
+        def visit_call_(self, call):
+            call = self.visit_expr_post_order(call)
+            if call.op != concat or not isinstance(call.args[0], relax.Tuple) or call.attrs.axis is None:
+                return call
+            fields = list(call.args[0].fields)
+            kept = [f for f in fields if not empty(f, int(call.attrs.axis))]
+            if not kept or len(kept) == len(fields):
+                return call
+            return kept[0] if len(kept) == 1 else relax.op.concat(kept, int(call.attrs.axis))
+
+    dropper = _Dropper(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            new = dropper.visit_expr(func)
+            if not new.same_as(func):
+                dropper.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+    return dropper.builder_.get()
+
+
 def legalize_and_fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """TVM's GPU legalization and fusion, with the qtvm kernels opaque; Relax functions
     nothing calls (the artefact's metadata function) are kept."""
@@ -152,7 +189,7 @@ def legalize_and_fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRMod
     mod = mod.clone()
     for gv, func in marked.items():
         mod[gv] = func
-    mod = _rows_cumsum(mod)
+    mod = _without_empty_concat_operands(_rows_cumsum(mod))
     relax_funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     passes = gpu_generic.library_dispatch_passes(target) + [
         relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),

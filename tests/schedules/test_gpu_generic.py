@@ -154,3 +154,44 @@ def test_max_and_softmax_of_minus_inf_rows_on_opencl():
             out = np.full((length,), np.nan, np.float32)
             opencl.build(prims[name]).run(zs, out)
             np.testing.assert_array_equal(out, ref)
+
+
+def test_empty_concat_operands_are_dropped():
+    """concat((a, empty)) is a, concat((a, empty, b)) is concat((a, b)): the rewrite the GPU
+    legalization runs first (an empty operand's zero-extent copy loop broke dlight's fallback)."""
+    n = tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, n, 16], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            empty = bb.emit(relax.op.strided_slice(x, axes=[2], begin=[16], end=[16]))
+            alone = bb.emit(relax.op.concat([x, empty], axis=-1))
+            pair = bb.emit(relax.op.concat([alone, empty, x], axis=2))
+            out = bb.emit_output(relax.op.add(pair, pair))
+        bb.emit_func_output(out)
+    before = bb.get()
+    mod = gpu_generic._without_empty_concat_operands(before)
+    script = mod["main"].script()
+    assert "strided_slice" not in script and script.count("R.concat") == 1, script
+    a = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    got, want = (tvm.relax.VirtualMachine(tvm.compile(m, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(a)).numpy()
+                 for m in (mod, before))
+    np.testing.assert_array_equal(got, want)
+    assert got.shape == (2, 5, 32)
+
+
+@needs_opencl
+def test_phi3_rotary_with_an_empty_pass_through_builds_for_gpus(hf_model):
+    """Phi-3 (legacy export) rotates the whole head and concatenates the empty rest
+    ([batch, heads, seq, 0]): its CUDA and OpenCL builds failed with TVM's 'Divide by zero'
+    inside dlight. Now every function is scheduled, and the rotary's fused functions (where
+    the concat was) match their unscheduled selves on PoCL at seq 1, 3, 64, 67."""
+    mod, *_ = build_module(hf_model("phi3", "legacy"), SM80, "int4-g128")
+    fused, scheduled = gpu_generic.legalize_and_fuse(mod, SM80), gpu_generic.schedule_generic_ops(mod, SM80)
+    prims = {gv.name_hint: f for gv, f in scheduled.functions.items() if isinstance(f, tirx.PrimFunc)}
+    assert all(gpu_generic.is_scheduled(f) for f in prims.values())
+    rotary = [name for name in prims if "concatenate" in name and name in {gv.name_hint for gv in fused.get_global_vars()}]
+    assert rotary
+    outputs = _outputs_per_function(scheduled)
+    for name in rotary:
+        assert compare_on_opencl(prims[name], fused[name], outputs.get(name, 1), name=name).worst <= 2e-6, name
