@@ -49,9 +49,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TIMING_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672)]
-TIMING_FORMATS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int4-g128-f16", "fp32"), ("int3-g128", "fp32"), ("int2-g64", "fp32"),
-                  ("e0m4-g128", "fp32"), ("e0m4-g128", "fp16"), ("bcq3-g128", "fp32"), ("bcq3-g128", "fp32-lut"),
-                  ("int8-g32", "fp32")]
+TIMING_FORMATS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int4-g128-f16", "fp32"), ("int3-g128", "fp32"),
+                  ("int2-g64", "fp32"), ("e0m4-g128", "fp32"), ("e0m4-g128", "fp16"), ("bcq3-g128", "fp32"),
+                  ("bcq3-g128", "fp32-lut"), ("int8-g32", "fp32")]
 MODEL_PRESETS = [("int4-g128", "fp32"), ("int4-g128", "fp16"), ("int3-g128", "fp32"), ("e0m4-g128", "fp32"),
                  ("bcq3-g128", "fp32"), ("mixed-2-4-16", "fp32"), ("int4-g128-qz", "fp32"), ("e0m4-g128", "fp16"),
                  ("int8-g32", "fp16"), ("int4-g128-f16", "fp32")]
@@ -67,10 +67,14 @@ LAYER_PRESETS = ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128"]
 #: the in-place KV-cache step (``qtvm.generate.KVSession``) on the GPU: (source, family, exporter,
 #: quant, activations, cache dtype); "hf" is a transformers export, "genai" onnxruntime-genai's
 #: builder (GroupQueryAttention, int4 MatMulNBits as written)
-KV_MODELS = [("hf", "llama", "legacy", "int4-g128", "fp32", "model"), ("hf", "llama", "legacy", "int4-g128", "fp32", "fp16"),
-             ("hf", "llama", "legacy", "int4-g128", "fp16", "fp16"), ("hf", "qwen3", "dynamo", "int4-g128", "fp32", "model"),
-             ("hf", "qwen3", "dynamo", "int4-g128", "fp32", "fp16"), ("hf", "gpt2", "legacy", "int4-g128", "fp32", "model"),
-             ("genai", "llama", "", "int4-g128", "fp32", "model"), ("genai", "llama", "", "int4-g128", "fp32", "fp16")]
+KV_MODELS = [("hf", "llama", "legacy", "int4-g128", "fp32", "model"),
+             ("hf", "llama", "legacy", "int4-g128", "fp32", "fp16"),
+             ("hf", "llama", "legacy", "int4-g128", "fp16", "fp16"),
+             ("hf", "qwen3", "dynamo", "int4-g128", "fp32", "model"),
+             ("hf", "qwen3", "dynamo", "int4-g128", "fp32", "fp16"),
+             ("hf", "gpt2", "legacy", "int4-g128", "fp32", "model"),
+             ("genai", "llama", "", "int4-g128", "fp32", "model"),
+             ("genai", "llama", "", "int4-g128", "fp32", "fp16")]
 #: feeds of the KV check, batch 2 (row 1 left-padded by 5 in the prompt): (tokens, last only);
 #: the cache crosses 64 tokens (its rows re-laid) at the third feed
 KV_FEEDS = [(60, True), (1, False), (7, False), (1, True), *[(1, False)] * 8]
@@ -432,7 +436,8 @@ def _kv_feeds(seed: int = 0) -> list[tuple[np.ndarray, np.ndarray | None, bool]]
 def _kv_run(module, feeds, prefix: str) -> dict:
     """Each feed's logits and, after the last, every cache as the session holds it."""
     session = module.session(2)
-    got = {f"{prefix}/logits{i}": session.feed(ids, mask, last=last).copy() for i, (ids, mask, last) in enumerate(feeds)}
+    got = {f"{prefix}/logits{i}": session.feed(ids, mask, last=last).copy()
+           for i, (ids, mask, last) in enumerate(feeds)}
     for name in module.metadata["kv_step"]["caches"]:
         got[f"{prefix}/cache/{name}"] = session.cache(name)
     return got
@@ -460,8 +465,8 @@ def _build_kv(out: Path, target, manifest: dict) -> None:
             manifest.setdefault("build_errors", []).append(f"{name}: {str(e).strip().splitlines()[-1][:300]}")
             print(f"FAILED {name}: {str(e).strip().splitlines()[-1][:300]}", flush=True)
             continue
-        cpu = compile_model(path, out / "cpu.so", "host", quant, "int8" if act == "int8" else "fp32", max_batch=2,
-                            kv_cache=kv_cache)  # --act fp16: against fp32 activations (no such CPU kernels)
+        cpu_act = "fp32" if act == "fp16" else act  # --act fp16: against fp32 activations (no such CPU kernels)
+        cpu = compile_model(path, out / "cpu.so", "host", quant, cpu_act, max_batch=2, kv_cache=kv_cache)
         refs.update(_kv_run(runtime.load(cpu.path), feeds, name))
         bar = 1e-2 if act == "fp16" else 1e-3 if kv_cache == "fp16" else 1e-4
         manifest["kv"].append({"name": name, "act": act, "kv_cache": kv_cache, "bar": bar})

@@ -122,9 +122,9 @@ def _gpu_kernels(target):
 @pytest.mark.parametrize("preset", ["int4-g128", "int3-g128", "e0m4-g128", "bcq3-g128", "int8-g32-f16"])
 def test_gpu_kernels_compute_each_column_alone(device, preset):
     """What lets the pass run for GPU targets: the CUDA and OpenCL rules' decode GEMVs (fp32
-    and fp16 activations) and prefill GEMM (on PoCL, half spelled float) give a column of ``x @ [W1 | W2]`` bit for bit as ``x @ W1`` or
-    ``x @ W2`` does (a column's sum order follows K alone). Awkward widths: N not a multiple
-    of a block's columns, K not of the group."""
+    and fp16 activations) and prefill GEMM (on PoCL, half spelled float) give a column of
+    ``x @ [W1 | W2]`` bit for bit as ``x @ W1`` or ``x @ W2`` does (a column's sum order
+    follows K alone). Awkward widths: N not a multiple of a block's columns, K not of the group."""
     from qtvm.formats import get_format
     from qtvm.target import parse_target
     from schedules import facts

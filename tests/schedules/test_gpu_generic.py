@@ -190,7 +190,8 @@ def test_phi3_rotary_with_an_empty_pass_through_builds_for_gpus(hf_model):
     fused, scheduled = gpu_generic.legalize_and_fuse(mod, SM80), gpu_generic.schedule_generic_ops(mod, SM80)
     prims = {gv.name_hint: f for gv, f in scheduled.functions.items() if isinstance(f, tirx.PrimFunc)}
     assert all(gpu_generic.is_scheduled(f) for f in prims.values())
-    rotary = [name for name in prims if "concatenate" in name and name in {gv.name_hint for gv in fused.get_global_vars()}]
+    fused_names = {gv.name_hint for gv in fused.get_global_vars()}
+    rotary = [name for name in prims if "concatenate" in name and name in fused_names]
     assert rotary
     outputs = _outputs_per_function(scheduled)
     for name in rotary:
