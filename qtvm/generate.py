@@ -73,6 +73,7 @@ class KVSession:
     mode = "in-place cache (qtvm_kv_step)"
 
     def __init__(self, module, batch: int = 1):
+        import tvm
         import tvm_ffi
 
         info = module.metadata["kv_step"]
@@ -90,7 +91,9 @@ class KVSession:
         self._step = module._vm[info["function"]]
         self._step_last = module._vm[info["last_function"]] if info.get("last_function") else None
         self._shape = tvm_ffi.Shape
-        # Caches: one flat buffer each, [batch, heads, L, dim] for the current L.
+        # Caches: one flat buffer each, [batch, heads, L, dim] for the current L, on the artefact's
+        # device. On a GPU nothing is zeroed here: _relayout writes every view the step reads
+        # (the rows kept, their padding zeroed) and each feed uploads the mask's view whole.
         self._rows = {}
         self._buffers, self._flat = {}, {}
         layouts = info.get("layouts") or ["bhld"] * len(info["caches"])
@@ -100,13 +103,14 @@ class KVSession:
                 _, heads, _, dim = spec["shape"]
                 dtype = info.get("cache_dtype") or spec["dtype"]  # --kv-cache fp16: float16 buffers
                 self._rows[name] = (int(heads), int(dim), dtype, layout)
-                self._buffers[name] = self._empty(batch * int(heads) * self.max_length * int(dim), dtype)
+                self._buffers[name] = tvm.runtime.empty((batch * int(heads) * self.max_length * int(dim),), dtype,
+                                                        self._device)
         for name, buf in self._buffers.items():
             if self._device is None:
                 self._flat[name] = np.from_dlpack(buf)
                 self._flat[name][:] = 0  # padded keys must be finite: probability 0 times a value
         self._mask_dtype = specs[info["mask"]]["dtype"]
-        self._mask_buf = self._empty(batch * self.max_length, self._mask_dtype)
+        self._mask_buf = tvm.runtime.empty((batch * self.max_length,), self._mask_dtype, self._device)
         # edited here, in place on the CPU; on a GPU a host copy, uploaded after each edit
         self._mask_flat = np.from_dlpack(self._mask_buf) if self._device is None else \
             np.zeros(batch * self.max_length, self._mask_dtype)
@@ -116,18 +120,6 @@ class KVSession:
         self._views: dict = {}
         self._ids: dict = {}  # n -> (staging array [batch, n] or None on a GPU, its tensor): no allocation per token
         self._positions: dict = {}  # the same for position_ids, where the model takes them
-
-    def _empty(self, n: int, dtype: str):
-        """A flat buffer on the artefact's device: on the CPU uninitialised (zeroed once its
-        pages are huge), on a GPU zeroed by one copy (padded keys must be finite: probability
-        0 times a value)."""
-        import tvm
-
-        if self._device is None:
-            return tvm.runtime.empty((n,), dtype)
-        buf = tvm.runtime.empty((n,), dtype, self._device)
-        buf.copyfrom(np.zeros(n, dtype))
-        return buf
 
     # -- cache layout ----------------------------------------------------------------------
     def _relayout(self, new: int) -> None:
