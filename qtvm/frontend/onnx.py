@@ -1,7 +1,7 @@
 """ONNX file -> Relax IRModule with symbolic dims, with errors a user can act on."""
 from __future__ import annotations
 
-import contextlib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,9 +88,16 @@ def validate(model: onnx.ModelProto, name: str = "model") -> None:
     problems = ([f"unsupported ONNX ops: {', '.join(missing)}"] if missing else []) + unsupported_features(model)
     if problems:
         raise QtvmError("; ".join(problems), "re-export without them, or file an issue naming them")
+    light = weightless_copy(model, dims=False)
+    # onnxruntime registers some ops in ONNX's own domain (onnxruntime-genai's builder writes them
+    # there); the checker knows only ONNX's ops there, so they are checked as a custom domain's
+    moved = [n for n in light.graph.node if n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS]
+    for n in moved:
+        n.domain = "qtvm.ort"
+    if moved:
+        light.opset_import.add(domain="qtvm.ort", version=1)
     try:
-        with _ort_ops_as_custom(model):
-            onnx.checker.check_model(model)
+        onnx.checker.check_model(light)
     except Exception as e:
         first = str(e).strip().splitlines()[0].rstrip(".")
         raise QtvmError(f"{name} fails the ONNX checker: {first}", "re-export the model") from None
@@ -99,25 +106,45 @@ def validate(model: onnx.ModelProto, name: str = "model") -> None:
 #: ops onnxruntime registers in ONNX's own domain (onnxruntime-genai's builder writes them there)
 ORT_DEFAULT_DOMAIN_OPS = ("SimplifiedLayerNormalization",)
 
+#: initializers of more elements than this carry no data in ``weightless_copy``
+_STUB_ELEMENTS = 1 << 14
 
-@contextlib.contextmanager
-def _ort_ops_as_custom(model: onnx.ModelProto):
-    """The checker knows only ONNX's ops in the default domain: onnxruntime's ones there are
-    moved to a domain of their own while it runs (in place, undone after; no copy of the weights)."""
-    moved = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS]
-    added = None
-    if moved and not any(o.domain == "qtvm.ort" for o in model.opset_import):
-        added = model.opset_import.add(domain="qtvm.ort", version=1)
-    old = [n.domain for n in moved]
-    for n in moved:
-        n.domain = "qtvm.ort"
-    try:
-        yield
-    finally:
-        for n, d in zip(moved, old):
-            n.domain = d
-        if added is not None:
-            model.opset_import.remove(added)
+
+def weightless_copy(model: onnx.ModelProto, dims: bool = True) -> onnx.ModelProto:
+    """A copy of ``model`` whose large initializers carry no data, for onnx's checker and shape
+    inference: both serialize the model they are given, a second copy of every weight, and
+    fail past protobuf's 2 GiB (onnxruntime-genai's int4 files of 3B parameters are larger).
+    With ``dims``, a stub keeps its type and dims and says its data is external (shape
+    inference reads no initializer that large); without, it is an empty tensor of its type
+    (the checker would look for the external file, and reads no initializer's dims)."""
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(model.graph, light.graph, skip="initializer")
+    for t in model.graph.initializer:
+        if math.prod(t.dims) <= _STUB_ELEMENTS:  # (protobuf's ByteSize walks the data: slow)
+            light.graph.initializer.add().CopyFrom(t)
+            continue
+        stub = light.graph.initializer.add(name=t.name, data_type=t.data_type)
+        if dims:
+            stub.dims.extend(t.dims)
+            stub.data_location = onnx.TensorProto.EXTERNAL
+            stub.external_data.add(key="location", value="qtvm-weightless-copy")
+        else:
+            stub.dims.append(0)
+    return light
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    """Every set field of protobuf message ``src`` but ``skip`` into ``dst`` (a fresh message)."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
 
 
 def unsupported_ops(model: onnx.ModelProto) -> list[str]:
@@ -153,8 +180,13 @@ class WeightSource:
     node: onnx.NodeProto
     index: int  # of node in model.graph.node
     name: str
-    array: object  # numpy array, as stored
+    tensor: onnx.TensorProto
     transposed: bool
+
+    @property
+    def array(self):
+        """The weight as a numpy array, as stored (a copy: read it where it is used)."""
+        return onnx.numpy_helper.to_array(self.tensor)
 
 
 def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
@@ -162,9 +194,6 @@ def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
     Identity and 2-D Transpose nodes (dynamo exports a tied lm_head as MatMul(x,
     Transpose(W))): the rule relay_passes.quantize_weights applies to the imported graph,
     so what is summarized, quantized and dequantized for reference is the same set."""
-    import numpy as np
-    from onnx import numpy_helper
-
     arrays = {t.name: t for t in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
     out = []
@@ -185,10 +214,9 @@ def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
                 name, transposed = p.input[0], not transposed
             else:
                 break
-        if name in arrays:
-            array = numpy_helper.to_array(arrays[name])
-            if array.ndim == 2 and array.dtype == np.float32:
-                out.append(WeightSource(node, index, name, array, transposed))
+        tensor = arrays.get(name)
+        if tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT:
+            out.append(WeightSource(node, index, name, tensor, transposed))
     return out
 
 

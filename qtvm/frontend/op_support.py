@@ -8,7 +8,9 @@ knows what to change; ``unsupported_features`` returns all of them at once.
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
+
+from qtvm.frontend.onnx import weightless_copy
 
 #: Element types qtvm compiles and its runtime passes through numpy.
 SUPPORTED_DTYPES = {
@@ -145,7 +147,7 @@ def _op_problems(node: onnx.NodeProto) -> list[str]:
 def _value_facts(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
     """(element type, rank) of every value the model states or ONNX shape inference finds."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(weightless_copy(model), strict_mode=False)
     except Exception:  # noqa: BLE001 -- inference is a help here, not a requirement
         inferred = model
     types = {t.name: t.data_type for t in inferred.graph.initializer}
@@ -189,7 +191,7 @@ def _typed_problems(node: onnx.NodeProto, types: dict[str, int], ranks: dict[str
     return []
 
 
-def _resize_problems(node: onnx.NodeProto, constants: dict) -> list[str]:
+def _resize_problems(node: onnx.NodeProto, constants: dict[str, TensorProto]) -> list[str]:
     """Resize forms TVM 0.27 computes wrong or cannot convert (ONNX's resize node tests)."""
     out = []
     mode = _attr(node, "mode", b"nearest")
@@ -203,21 +205,19 @@ def _resize_problems(node: onnx.NodeProto, constants: dict) -> list[str]:
     if _attr(node, "axes") is not None:
         out.append("the axes attribute is not supported")
     if mode in ("linear", "cubic") and _has_input(node, 2):
-        scales = constants.get(node.input[2])
+        scales = numpy_helper.to_array(constants[node.input[2]]) if node.input[2] in constants else None
         if scales is not None and any(v < 1 or v != int(v) for v in scales.ravel().tolist()):
             out.append(f"{mode} resize by non-integer or downscaling scales is computed wrong by TVM's "
                        "converter; give the output sizes instead")
     return out
 
 
-def _constants(model: onnx.ModelProto) -> dict:
-    """Values of initializers and Constant nodes, by name."""
-    from onnx import numpy_helper
-
-    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+def _constants(model: onnx.ModelProto) -> dict[str, TensorProto]:
+    """Initializers and Constant nodes' values, by name (as protos: converted where read)."""
+    out = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "Constant" and isinstance(_attr(node, "value"), TensorProto):
-            out[node.output[0]] = numpy_helper.to_array(_attr(node, "value"))
+            out[node.output[0]] = _attr(node, "value")
     return out
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qtvm.frontend.onnx import weightless_copy
+
 
 def _attr(node, name, default=None):
     for a in node.attribute:
@@ -31,7 +33,7 @@ def _opset(model: onnx.ModelProto) -> int:
 
 def _ranks_and_types(model: onnx.ModelProto) -> tuple[dict, dict]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(weightless_copy(model), strict_mode=False)
     except Exception:  # noqa: BLE001 -- without inference, nodes of unknown rank are left alone
         inferred = model
     ranks, types = {}, {}

@@ -96,3 +96,37 @@ def test_control_flow_graph_still_imports():
                               [helper.make_tensor_value_info("c", TensorProto.BOOL, []), out("x")], [out("y")])
     mod = import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10))
     assert [p.name for p in mod["main"].params] == ["c", "x"]
+
+
+def test_checker_and_shape_inference_see_no_weight_data(monkeypatch):
+    """onnx's checker and shape inference serialize the model they are given (a copy of
+    every weight, and past 2 GiB an error: onnxruntime-genai's 3B int4 files); qtvm gives
+    them a copy whose large initializers carry no data, and still catches a malformed graph."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtvm.frontend import rewrites
+    from qtvm.frontend.onnx import validate, weightless_copy
+
+    w = numpy_helper.from_array(np.ones((512, 256), np.float32), "w")  # 512 KiB
+    ln_scale = numpy_helper.from_array(np.ones(256, np.float32), "g")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("LayerNormalization", ["h", "g"], ["y"], name="ln", axis=-1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 256])], [w, ln_scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    seen = []
+    real_check = onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: (seen.append(m.ByteSize()), real_check(m))[1])
+    validate(model)
+    assert seen and max(seen) < 64 * 1024  # the 512 KiB weight did not go to the checker
+    assert model.graph.initializer[0].raw_data == w.raw_data  # the model itself untouched
+    light = weightless_copy(model)
+    assert [list(t.dims) for t in light.graph.initializer] == [[512, 256], [256]] and light.ByteSize() < 64 * 1024
+    ranks, types = rewrites._ranks_and_types(model)  # inferred on the weightless copy
+    assert ranks["h"] == 2 and types["h"] == TensorProto.FLOAT and ranks["w"] == 2
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    broken.graph.node[1].input[0] = "nowhere"
+    with pytest.raises(QtvmError, match="fails the ONNX checker"):
+        validate(broken)
