@@ -109,9 +109,10 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     rename_dims(model, dims or {})
     validate(model, f"'{model_path}'")
     summary = summarize(model)
-    lowered = lower_quantized(model, gptq)
+    lowered = lower_quantized(model, gptq, in_place=True)
     summary.float_matmuls = [n for n in summary.float_matmuls if n not in lowered.matmul_nodes]
     mod = import_onnx(lowered.model)
+    del model, lowered.model  # the weights are the module's constants now: no second copy while packing
     facts = import_facts(mod)
     mod = safe_gather(mod)
     notes = gptq_notes + list(lowered.notes)
@@ -274,9 +275,9 @@ def _layer_table(layers) -> list[dict]:
     """Packed matmuls grouped by (format, K, N), for `qtvm inspect`: bits/weight from stored bytes."""
     rows: dict[tuple, dict] = {}
     for layer in layers:
-        key = (layer.qt.fmt.name, layer.k, layer.n)
+        key = (layer.fmt.name, layer.k, layer.n)
         row = rows.setdefault(key, {"format": key[0], "k": layer.k, "n": layer.n, "count": 0,
-                                    "bits_per_weight": round(layer.qt.bits_per_weight, 3)})
+                                    "bits_per_weight": round(layer.bits_per_weight, 3)})
         row["count"] += 1
     return list(rows.values())
 

@@ -16,6 +16,7 @@ the activation permutation.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,44 @@ from qtvm.errors import QtvmError
 from qtvm.formats.base import QuantizedTensor
 from qtvm.formats.gptq import ActOrderFormat, QZerosFormat, reorder_for_kernel
 from qtvm.formats.uniform import GROUP_UNIT, VALID_BITS, UniformFormat
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """Codes [K, N] as MatMulNBits stores them: per column, its K codes packed low bits first
+    into bytes ([N, bytes] uint8; K padded to whole blocks). Kept packed until the kernel's
+    layout is made, so a model's weights are never all held a byte a code at once (twice
+    their packed size at 4 bits); at 2, 4 and 8 bits they are never unpacked (``words``)."""
+
+    columns: np.ndarray  # [N, bytes] uint8
+    bits: int
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.k, self.columns.shape[0]
+
+    def unpack(self) -> np.ndarray:
+        """[K, N] codes."""
+        return np.ascontiguousarray(unpack_low_first(self.columns, self.bits)[:, :self.k].T)
+
+    def words(self, kp: int) -> np.ndarray | None:
+        """The uniform format's words [kp * bits / 32, N] int32 (32 / bits codes a word, low
+        bits first along K: ``UniformFormat.pack``) straight from the bytes: four bytes of a
+        column are one little-endian word of it. None at 3 bits, or where the bytes hold
+        fewer than ``kp`` codes."""
+        nbytes = kp * self.bits // 8
+        if 32 % self.bits or kp * self.bits % 32 or self.columns.shape[1] < nbytes:
+            return None
+        return np.ascontiguousarray(self.columns[:, :nbytes].view("<u4").T).view(np.int32)
+
+
+def unpack_low_first(packed: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, bytes] uint8 -> [rows, bytes * 8 / bits] codes, lowest bits first."""
+    per = 8 // bits
+    shifts = (bits * np.arange(per, dtype=np.uint8))[None, None, :]
+    codes = (packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)
+    return codes.reshape(packed.shape[0], -1)
 
 
 @dataclass
@@ -38,7 +77,7 @@ class BlockQuantized:
 
     origin: str  # e.g. "MatMulNBits 'fc2'": named in notes and errors
     bits: int
-    codes: np.ndarray  # unsigned, < 2**bits
+    codes: np.ndarray | PackedCodes  # unsigned, < 2**bits
     scales: np.ndarray  # float32
     zeros: np.ndarray  # float32, in code units (integer-valued or not)
     axis: int | None
@@ -57,6 +96,9 @@ class BlockQuantized:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
+
+    def code_array(self) -> np.ndarray:
+        return self.codes.unpack() if isinstance(self.codes, PackedCodes) else self.codes
 
     @property
     def format(self) -> UniformFormat:
@@ -88,10 +130,8 @@ class BlockQuantized:
         reason = self.why_not(transposed)
         if reason is not None:
             raise QtvmError(f"{self.origin} cannot run on qtvm's kernels: {reason}")
-        codes, scales, zeros = self.codes, self.scales, self.zeros
-        if transposed:
-            codes, scales, zeros = codes.T, scales.T, zeros.T
-        k, n = codes.shape
+        scales, zeros = (self.scales.T, self.zeros.T) if transposed else (self.scales, self.zeros)
+        k, n = self.shape[::-1] if transposed else self.shape
         if self.axis is None:
             scales, zeros = np.broadcast_to(scales, (1, n)), np.broadcast_to(zeros, (1, n))
         fmt = self.format
@@ -103,10 +143,21 @@ class BlockQuantized:
         s = np.ones((groups, n), np.float32)
         z = np.zeros((groups, n), np.float32)
         s[:scales.shape[0]], z[:zeros.shape[0]] = scales, zeros
-        zero_codes = np.clip(np.round(z), 0, fmt.qmax).astype(np.uint32)
-        full = np.repeat(zero_codes, gs, axis=0)  # padding rows: their group's zero code (weight ~0, x is 0 there)
-        full[:k] = codes
-        arrays = {"qweight": fmt.pack(full), "scales": s.astype(fmt.array_dtype("scales")),
+        zero_codes = np.clip(np.round(z), 0, fmt.qmax).astype(np.uint8)  # bits <= 8
+        padding = zero_codes[np.arange(k, kp) // gs]  # padding rows: their group's zero code (weight ~0, x is 0 there)
+        words = self.codes.words(kp) if isinstance(self.codes, PackedCodes) and not transposed else None
+        if words is None:
+            codes = self.code_array()
+            full = np.empty((kp, n), np.uint8)
+            full[:k] = codes.T if transposed else codes
+            full[k:] = padding
+            words = fmt.pack(full)
+        elif kp > k:  # the stored padding codes may be anything: the words holding them are re-packed
+            first = k // fmt.values_per_block
+            tail = fmt.unpack(words[first:], kp - first * fmt.values_per_block)
+            tail[k - first * fmt.values_per_block:] = padding
+            words[first:] = fmt.pack(tail)
+        arrays = {"qweight": words, "scales": s.astype(fmt.array_dtype("scales")),
                   "zeros": z.astype(fmt.array_dtype("zeros"))}
         if isinstance(fmt, QZerosFormat):  # zero points packed as codes
             arrays = fmt.from_float_zeros(QuantizedTensor(fmt, k, n, arrays)).arrays
@@ -120,7 +171,7 @@ class BlockQuantized:
 
     def dequantize_reference(self) -> np.ndarray:
         """float64 [rows, cols], straight from the stored codes (tests and checks only)."""
-        codes = self.codes.astype(np.float64)
+        codes = self.code_array().astype(np.float64)
         if self.axis is None:
             return (codes - float(self.zeros.reshape(-1)[0])) * float(self.scales.reshape(-1)[0])
         c = np.moveaxis(codes, self.axis, 0)

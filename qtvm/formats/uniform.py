@@ -132,22 +132,26 @@ class UniformFormat(GroupedAlongK, QuantFormat):
         return stored.astype(np.float32)
 
     def pack(self, codes: np.ndarray) -> np.ndarray:
-        """[K_pad, N] codes -> [word rows, N] int32."""
+        """[K_pad, N] codes -> [word rows, N] int32. Field by field into 32-bit words, so the
+        temporaries are word-sized (a large layer's codes widened to 64 bits at once took 16x
+        its packed size)."""
         kp, n = codes.shape
-        codes = codes.astype(np.uint64)
         if self.bits != 3:
             vpw = self.values_per_block
-            shifts = (self.bits * np.arange(vpw, dtype=np.uint64))[None, :, None]
-            words = (codes.reshape(kp // vpw, vpw, n) << shifts).sum(axis=1)
-            return words.astype(np.uint32).view(np.int32)
+            fields = codes.reshape(kp // vpw, vpw, n)
+            words = np.zeros((kp // vpw, n), np.uint32)
+            for j in range(vpw):
+                words |= fields[:, j].astype(np.uint32) << np.uint32(self.bits * j)
+            return words.view(np.int32)
         blocks = codes.reshape(kp // 32, 32, n)
-        words = np.zeros((kp // 32, 3, n), np.uint64)
+        words = np.zeros((kp // 32, 3, n), np.uint32)
         for j in range(32):
             word, shift = divmod(3 * j, 32)
-            words[:, word] |= (blocks[:, j] << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
+            value = blocks[:, j].astype(np.uint32)
+            words[:, word] |= value << np.uint32(shift)  # bits past 32 fall off
             if shift > 29:  # the value's high bits continue in the next word
-                words[:, word + 1] |= blocks[:, j] >> np.uint64(32 - shift)
-        return words.reshape(kp // 32 * 3, n).astype(np.uint32).view(np.int32)
+                words[:, word + 1] |= value >> np.uint32(32 - shift)
+        return words.reshape(kp // 32 * 3, n).view(np.int32)
 
     def unpack(self, words: np.ndarray, kp: int) -> np.ndarray:
         """[word rows, N] int32 -> [K_pad, N] codes (uint32)."""

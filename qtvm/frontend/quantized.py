@@ -45,7 +45,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.errors import QtvmError
-from qtvm.formats.blockwise import BlockQuantized
+from qtvm.formats.blockwise import BlockQuantized, PackedCodes, unpack_low_first
 
 MARKER_PREFIX = "qtvm_prequantized_"
 MS_DOMAIN = "com.microsoft"
@@ -78,9 +78,11 @@ def _name(node, index: int) -> str:
 
 
 class _Lowering:
-    def __init__(self, model: onnx.ModelProto):
-        self.model = onnx.ModelProto()
-        self.model.CopyFrom(model)
+    def __init__(self, model: onnx.ModelProto, in_place: bool):
+        if not in_place:
+            model, original = onnx.ModelProto(), model
+            model.CopyFrom(original)
+        self.model = model
         self.graph = self.model.graph
         self.inits = {t.name: t for t in self.graph.initializer}
         self.out = LoweredModel(self.model)
@@ -145,7 +147,6 @@ class _Lowering:
         if b.shape != (n, blocks, blob) or scales.size != n * blocks:
             raise QtvmError(f"{name}: B {list(b.shape)} and scales {list(scales.shape)} do not match K={k}, N={n}, "
                             f"block_size={bs} (expected B [{n}, {blocks}, {blob}], {n * blocks} scales)")
-        codes = _unpack_low_first(b.reshape(n, blocks * blob), bits)[:, :k]  # [N, K]
         scales = scales.reshape(n, blocks)
         zp = self.array(inputs[3]) if inputs[3] else None
         if inputs[3] and zp is None:
@@ -157,7 +158,7 @@ class _Lowering:
             per_row = -(-blocks * bits // 8)
             if zp.size != n * per_row:
                 raise QtvmError(f"{name}: uint8 zero points {list(zp.shape)} do not match N={n} x {per_row} bytes")
-            zeros = _unpack_low_first(zp.reshape(n, per_row), bits)[:, :blocks].astype(np.float32)
+            zeros = unpack_low_first(zp.reshape(n, per_row), bits)[:, :blocks].astype(np.float32)
         elif zp.dtype == scales.dtype and zp.size == n * blocks:
             zeros = zp.reshape(n, blocks).astype(np.float32)
         else:
@@ -171,8 +172,9 @@ class _Lowering:
             g_idx = g_idx.astype(np.int64)
             if g_idx.min() < 0 or g_idx.max() >= blocks:
                 raise QtvmError(f"{name}: g_idx values span [{g_idx.min()}, {g_idx.max()}]; it has {blocks} blocks")
-        weight = BlockQuantized(name, bits, np.ascontiguousarray(codes.T), np.ascontiguousarray(scales.T),
-                                np.ascontiguousarray(zeros.T), 0, bs, g_idx)
+        codes = PackedCodes(b.reshape(n, blocks * blob), bits, k)
+        weight = BlockQuantized(name, bits, codes, np.ascontiguousarray(scales.T), np.ascontiguousarray(zeros.T), 0, bs,
+                                g_idx)
         marker = self.add_marker(weight, "MatMulNBits")
         if "accuracy_level" in a:
             self.out.notes.append(f"{name}: accuracy_level={a['accuracy_level']} noted (onnxruntime's activation "
@@ -370,14 +372,6 @@ def _reads(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def _unpack_low_first(packed: np.ndarray, bits: int) -> np.ndarray:
-    """[rows, bytes] uint8 -> [rows, bytes * 8 / bits] codes, lowest bits first."""
-    per = 8 // bits
-    shifts = (bits * np.arange(per, dtype=np.uint8))[None, None, :]
-    codes = (packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)
-    return codes.reshape(packed.shape[0], -1)
-
-
 def has_quantized_weights(model: onnx.ModelProto) -> bool:
     """Cheap test: does the model hold anything ``lower_quantized`` reads?"""
     return any((n.domain == MS_DOMAIN and n.op_type == "MatMulNBits")
@@ -385,12 +379,13 @@ def has_quantized_weights(model: onnx.ModelProto) -> bool:
                for n in model.graph.node)
 
 
-def lower_quantized(model: onnx.ModelProto, gptq=None) -> LoweredModel:
-    """A copy of ``model`` with every quantized weight matmul on a marker (see the module doc).
+def lower_quantized(model: onnx.ModelProto, gptq=None, in_place: bool = False) -> LoweredModel:
+    """A copy of ``model`` (``model`` itself with ``in_place``: no second copy of a large
+    model's weights) with every quantized weight matmul on a marker (see the module doc).
 
     ``gptq``: a ``qtvm.formats.gptq_checkpoint.GptqCheckpoint`` whose layers replace
     float MatMul/Gemm weights matched by name.
     """
     if gptq is None and not has_quantized_weights(model):
         return LoweredModel(model)  # nothing to read: no copy of a (possibly large) float model
-    return _Lowering(model).run(gptq)
+    return _Lowering(model, in_place).run(gptq)

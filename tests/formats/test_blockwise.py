@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from qtvm.errors import QtvmError
-from qtvm.formats.blockwise import BlockQuantized
+from qtvm.formats.blockwise import BlockQuantized, PackedCodes, unpack_low_first
 from qtvm.formats.uniform import UniformFormat
 
 
@@ -59,3 +59,38 @@ def test_unsupported_bits_and_groups_named(bits, group):
     with pytest.raises(QtvmError, match=f"test weight has {bits}-bit weights|test weight has block size {group}"):
         BlockQuantized("test weight", bits, np.zeros((64, 8), np.uint8), np.ones((2, 8), np.float32),
                        np.zeros((2, 8), np.float32), 0, group)
+
+
+@pytest.mark.parametrize("k,n,bits,block,g_idx", [
+    (70, 37, 4, 32, False), (128, 5, 4, 128, False), (100, 9, 8, 16, False), (200, 33, 2, 64, False),
+    (70, 37, 4, 16, True), (50, 11, 2, 16, False)], ids=str)
+def test_matmul_nbits_bytes_repack_as_unpacked_codes(k, n, bits, block, g_idx):
+    """Codes kept as MatMulNBits' bytes (re-laid as whole words at 2, 4 and 8 bits) give the
+    arrays the unpacked codes give, bit for bit, whatever the stored padding codes hold."""
+    rng = np.random.default_rng(3)
+    blocks = -(-k // block)
+    columns = rng.integers(0, 256, (n, blocks * block * bits // 8), dtype=np.uint8)  # padding codes: noise
+    packed = PackedCodes(columns, bits, k)
+    codes = unpack_low_first(columns, bits)[:, :k].T
+    assert packed.shape == codes.shape and np.array_equal(packed.unpack(), codes)
+    scales = rng.uniform(0.01, 0.1, (blocks, n)).astype(np.float32)
+    zeros = rng.integers(0, 2 ** bits, (blocks, n)).astype(np.float32)
+    gi = rng.permutation(np.arange(k) // block) if g_idx else None
+    fast, fast_perm = BlockQuantized("t", bits, packed, scales, zeros, 0, block, gi).for_matmul()
+    slow, slow_perm = BlockQuantized("t", bits, np.ascontiguousarray(codes), scales, zeros, 0, block, gi).for_matmul()
+    assert fast.fmt.name == slow.fmt.name and list(fast.arrays) == list(slow.arrays)
+    for name in fast.arrays:
+        assert fast.arrays[name].dtype == slow.arrays[name].dtype
+        np.testing.assert_array_equal(fast.arrays[name], slow.arrays[name], err_msg=name)
+    assert (fast_perm is None and slow_perm is None) or np.array_equal(fast_perm, slow_perm)
+    assert packed.words(fast.fmt.padded_k(k)) is not None  # the word path was the one taken
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_is_unpack_inverse_on_narrow_codes(bits):
+    """UniformFormat.pack takes the codes of any unsigned dtype (uint8 from a stored model)."""
+    fmt = UniformFormat(bits, 32)
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, (96, 7))
+    words = fmt.pack(codes.astype(np.uint8))
+    np.testing.assert_array_equal(words, fmt.pack(codes.astype(np.uint32)))
+    np.testing.assert_array_equal(fmt.unpack(words, 96), codes)
