@@ -23,6 +23,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,13 +206,15 @@ def export_library(ex, path: str | os.PathLike, toolchain: Toolchain | None) -> 
     """Export ``ex`` (a Relax executable or runtime module) to ``path``, linked by
     ``toolchain`` when cross building and then checked with readelf (raises QtvmError);
     the caller owns ``path`` (a temp file it renames into place)."""
-    if toolchain is None:
-        ex.export_library(str(path))
+    if toolchain is None:  # the assembler directives are ELF's: elsewhere TVM's packer
+        pack = _pack_imports_by_incbin(build_arch()) if sys.platform.startswith("linux") else None
+        ex.export_library(str(path), fpack_imports=pack)
         return
     from qtvm.deploy import elf
 
     try:
-        ex.export_library(str(path), fcompile=toolchain.fcompile())
+        ex.export_library(str(path), fcompile=toolchain.fcompile(),
+                          fpack_imports=_pack_imports_by_incbin(toolchain.arch))
     except RuntimeError as e:  # the linker's message, not TVM's trace
         lines = [line for line in str(e).splitlines() if line.strip()]
         raise QtvmError(f"linking for {toolchain.triple} with {toolchain.cc} failed: "
@@ -219,3 +222,32 @@ def export_library(ex, path: str | os.PathLike, toolchain: Toolchain | None) -> 
     problems = elf.check_artefact(path, toolchain)
     if problems:
         raise QtvmError(f"the {toolchain.triple} artefact fails its readelf check: {'; '.join(problems)}")
+
+
+def _pack_imports_by_incbin(arch: str):
+    """``export_library``'s ``fpack_imports``: the serialized imports (the VM's bytecode and
+    constants, so the model's weights) written to a file the assembler links in with
+    ``.incbin``, under the symbol TVM's loader looks up. TVM's own packer copies them into an
+    LLVM constant and then into an object in memory: ~5x the weights at the peak (15.5 GB to
+    export 2.5 GB of int4 weights); this holds them twice, while TVM serializes them."""
+    import numpy as np
+    import tvm
+
+    def pack(module, is_system_lib: bool, prefix: str, workspace_dir: str) -> str:
+        if is_system_lib:  # TVM's packer would also register the blob with the system library
+            raise QtvmError("internal: qtvm does not export system libraries", "report this")
+        blob = tvm.get_global_func("runtime.ModulePackImportsToTensor")(module)
+        data = os.path.join(workspace_dir, "imports.bin")
+        np.from_dlpack(blob).tofile(data)
+        size = int(blob.shape[0])
+        del blob
+        symbol = prefix + tvm.get_global_func("runtime.ModuleImportsBlobName")()
+        # x86-64: a large section, laid out past the code and data its +-2 GiB addressing reaches
+        section = ".lrodata" if arch == "x86_64" else ".rodata"
+        source = os.path.join(workspace_dir, "imports.s")
+        with open(source, "w") as f:
+            f.write(f'\t.section {section},"a",%progbits\n\t.globl {symbol}\n\t.type {symbol}, %object\n'
+                    f'\t.balign 8\n{symbol}:\n\t.incbin "{data}"\n\t.size {symbol}, {size}\n')
+        return source
+
+    return pack

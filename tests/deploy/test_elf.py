@@ -127,3 +127,25 @@ def test_opencl_device_target_on_an_aarch64_host(tmp_path):
     assert info.machine == "AArch64" and "relu" in info.kernels
     assert b"__kernel" in info.library_bin  # the OpenCL source travels inside
     assert elf.embedded_metadata(info) == meta
+
+
+def test_the_embedded_module_is_linked_from_a_file(artefacts):
+    """The export links TVM's serialized module with ``.incbin`` (``toolchain._pack_imports_by_incbin``):
+    the loader's symbol, exported, in a large read-only section on x86-64 and in .rodata on aarch64,
+    its size the blob's own (a uint64 length, then that many bytes)."""
+    import struct
+
+    blob_symbol = "__tvm_ffi__library_bin"
+    native = ".lrodata" if toolchain.build_arch() == "x86_64" else ".rodata"
+    for result, section in ((artefacts[0], ".rodata"), (artefacts[1], native)):
+        sections = subprocess.run(["readelf", "-SW", str(result.path)], capture_output=True, text=True).stdout
+        symbols = subprocess.run(["readelf", "-sW", "--dyn-syms", str(result.path)], capture_output=True,
+                                 text=True).stdout
+        row = next(line.split() for line in symbols.splitlines() if line.rstrip().endswith(blob_symbol))
+        value, size, index = int(row[1], 16), int(row[2]), row[6]
+        header = next(line for line in sections.splitlines() if f"[{index.rjust(2)}]" in line)
+        assert header.split("]")[1].split()[0] == section, header
+        address, offset = (int(x, 16) for x in header.split("]")[1].split()[2:4])
+        with open(result.path, "rb") as f:
+            f.seek(offset + value - address)
+            assert struct.unpack("<Q", f.read(8))[0] == size - 8
