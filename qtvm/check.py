@@ -197,17 +197,44 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(g[finite] - w[finite]).max() / max(np.abs(w[finite]).max(), 1e-30))
 
 
-def _ort_session(model):
+def _ort_session(model, path=None):
+    """onnxruntime on ``model``, read from ``path`` where that file is the model as it is (no copy
+    of it in memory); a model past protobuf's 2 GiB without one goes through a temporary file
+    with its weights beside it."""
+    import tempfile
+
+    import onnx
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to qtvm
     opts.log_severity_level = 4  # its warnings are not the user's business here; its errors come back raised
-    try:
-        return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
-        raise QtvmError(f"onnxruntime cannot run the model ({str(e).strip().splitlines()[0][:200]})",
-                        "qtvm check needs a model onnxruntime or ONNX's reference evaluator runs") from None
+    with tempfile.TemporaryDirectory(prefix="qtvm-check-") as tmp:
+        try:
+            if path is None and _weight_bytes(model) > SERIALIZED_LIMIT:
+                path = f"{tmp}/model.onnx"
+                copy = _copy(model)  # saving with external data moves the copy's weights to the file
+                onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data")
+                del copy
+            source = str(path) if path is not None else model.SerializeToString()
+            return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
+            raise QtvmError(f"onnxruntime cannot run the model ({str(e).strip().splitlines()[0][:200]})",
+                            "qtvm check needs a model onnxruntime or ONNX's reference evaluator runs") from None
+
+
+#: initializer bytes past which a model is handed to onnxruntime as files (protobuf's limit is 2 GiB)
+SERIALIZED_LIMIT = 1 << 30
+
+
+def _weight_bytes(model) -> int:
+    """The initializers' bytes, from their dims (protobuf's ByteSize walks the data)."""
+    import math
+
+    import onnx
+
+    return sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+               for t in model.graph.initializer)
 
 
 @dataclass
@@ -222,10 +249,10 @@ class _Session:
     ONNX's reference evaluator, the spec's own numpy implementation, from then on; ``fallback``
     holds onnxruntime's reason. If the reference evaluator fails too, onnxruntime's error stands."""
 
-    def __init__(self, model):
+    def __init__(self, model, path=None):
         self.model, self.fallback, self._reference = model, None, None
         try:
-            self._ort = _ort_session(model)
+            self._ort = _ort_session(model, path)
         except QtvmError as e:
             from onnx.reference import ReferenceEvaluator
 
@@ -260,8 +287,8 @@ class _Session:
             return values
 
 
-def _session(model) -> _Session:
-    return _Session(model)
+def _session(model, path=None) -> _Session:
+    return _Session(model, path)
 
 
 def _dequantized_reference(model, meta: dict):
@@ -272,7 +299,9 @@ def _dequantized_reference(model, meta: dict):
     int8 = meta.get("activations") == "int8"
     if fmt_name == "none" or "quantized_matmuls" not in meta:
         if int8 or not _int8_activation_levels(model):
-            return model, "the float model (no weights were quantized)", FP32_TOLERANCE
+            what = ("the model on its own quantized weights" if meta.get("prequantized_matmuls")
+                    else "the float model (no weights were quantized)")
+            return model, what, FP32_TOLERANCE
         reference = _copy(model)
         _float_activations(reference)
         return reference, "onnxruntime on the model's own quantized weights" + _RELAXED, FP32_TOLERANCE
@@ -355,7 +384,8 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     if quantizers:
         ref_model = _jittered_quantizers(ref_model, quantizers)
         reference, default_tol = reference + QDQ_NOTE, None
-    float_sess, ref_sess = _session(model), _session(ref_model)
+    float_sess = _session(model, model_path)  # the file as loaded: onnxruntime reads it itself
+    ref_sess = float_sess if ref_model is model else _session(ref_model)
     from qtvm.reference import JITTER_INPUT
 
     jitter_inputs = [(i.name, i.shape[0] if i.shape else 0) for i in ref_sess.get_inputs()

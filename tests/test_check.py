@@ -253,7 +253,7 @@ def test_reference_evaluator_where_onnxruntime_cannot_run(monkeypatch):
     the reference's values from then on and records onnxruntime's reason, without its prefix."""
     import qtvm.check as qcheck
 
-    monkeypatch.setattr(qcheck, "_ort_session", lambda model: _FailingOrt())
+    monkeypatch.setattr(qcheck, "_ort_session", lambda model, path=None: _FailingOrt())
     sess = qcheck._session(_add_model())
     a, b = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
     assert np.array_equal(sess.run(None, {"a": a, "b": b})[0], a + b)
@@ -265,7 +265,7 @@ def test_onnxruntime_error_stands_when_the_reference_fails_too(monkeypatch):
     """Inputs neither can run (dims bound apart): onnxruntime's one-line refusal, as before."""
     import qtvm.check as qcheck
 
-    monkeypatch.setattr(qcheck, "_ort_session", lambda model: _FailingOrt())
+    monkeypatch.setattr(qcheck, "_ort_session", lambda model, path=None: _FailingOrt())
     sess = qcheck._session(_add_model(("n",), ("m",)))
     with pytest.raises(QtvmError, match=r"onnxruntime cannot run the model at n=2,m=3 \(Non-zero status"):
         qcheck._run(sess, {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)}, {"n": 2, "m": 3})
@@ -347,3 +347,27 @@ def test_activation_quantizers_found_at_run_time_values_only():
     assert _activation_quantizers(model) == [3]
     model.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
     assert _activation_quantizers(model) == []  # the jitter's float32 arithmetic would not type-check
+
+
+def test_large_models_reach_onnxruntime_as_files(tmp_path, monkeypatch):
+    """onnxruntime reads the checked model from its own file, and a reference past protobuf's
+    2 GiB (here: past a limit lowered to 0) from a temporary file with its weights beside it;
+    the report is the one the in-memory sessions give."""
+    import qtvm.check as qcheck
+    from qtvm.pipeline import compile_model
+
+    model = tmp_path / "m.onnx"
+    onnx.save(_pool_model(0), str(model))
+    art = compile_model(model, tmp_path / "m.so", "host", "int4-g32").path
+    before = check(model, art, [{"batch": 2, "seq": 5}])
+    sources = []
+    real = qcheck._ort_session
+    monkeypatch.setattr(qcheck, "_ort_session", lambda m, path=None: (sources.append(path), real(m, path))[1])
+    monkeypatch.setattr(qcheck, "SERIALIZED_LIMIT", 0)
+    saved = []
+    real_save = onnx.save_model
+    monkeypatch.setattr(onnx, "save_model", lambda m, f, **kw: (saved.append(kw), real_save(m, f, **kw))[1])
+    after = check(model, art, [{"batch": 2, "seq": 5}])
+    assert sources == [model, None]  # the file itself, then the dequantized reference ...
+    assert [kw.get("save_as_external_data") for kw in saved] == [True]  # ... through a temporary file
+    assert [(r.err_own, r.err_vs_float) for r in after.rows] == [(r.err_own, r.err_vs_float) for r in before.rows]
