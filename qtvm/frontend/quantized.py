@@ -177,8 +177,7 @@ class _Lowering:
                                 g_idx)
         marker = self.add_marker(weight, "MatMulNBits")
         if "accuracy_level" in a:
-            self.out.notes.append(f"{name}: accuracy_level={a['accuracy_level']} noted (onnxruntime's activation "
-                                  f"precision); qtvm's activations follow --act")
+            self._accuracy_levels.setdefault(int(a["accuracy_level"]), []).append(_name(node, index))
         y = node.output[0]
         if inputs[5]:
             mm = helper.make_node("MatMul", [inputs[0], marker], [y + "_qtvm_nobias"], name=_name(node, index))
@@ -307,6 +306,7 @@ class _Lowering:
     # -- the walk ---------------------------------------------------------------------------------
     def run(self, gptq=None) -> LoweredModel:
         self._dropped_outputs: set[str] = set()
+        self._accuracy_levels: dict[int, list[str]] = {}  # MatMulNBits accuracy_level -> the nodes
         new_nodes = []
         for index, original in enumerate(list(self.graph.node)):
             # A copy: consumers of a DequantizeLinear are renamed in the graph before the walk reaches them.
@@ -335,6 +335,10 @@ class _Lowering:
                 new_nodes.append(node)
         del self.graph.node[:]
         self.graph.node.extend(new_nodes)
+        for level, names in sorted(self._accuracy_levels.items()):  # one line a level, not one a node
+            which = f"MatMulNBits '{names[0]}'" if len(names) == 1 else f"{len(names)} MatMulNBits ('{names[0]}', ...)"
+            self.out.notes.append(f"{which}: accuracy_level={level} noted (onnxruntime's activation precision); "
+                                  "qtvm's activations follow --act")
         if gptq is not None:
             gptq.apply(self)
         self._drop_unused_initializers()

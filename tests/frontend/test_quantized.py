@@ -315,3 +315,15 @@ def test_compile_holds_the_packed_weights_about_once(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 3 * packed, (peak / packed, packed)  # 2.2x measured; 8.5x before
+
+
+def test_accuracy_levels_noted_once_a_level():
+    """A builder's model sets accuracy_level on every MatMulNBits (111 in a 1B LLaMA): one note a level."""
+    layers = [matmul_nbits_layer(f"l{i}", "x", f"y{i}", 64, 16, 4, 32, accuracy_level=4 if i else 1, seed=i)
+              for i in range(4)]
+    model = model_of(layers, [("x", ["batch", 64])], [(f"y{i}", ["batch", 16]) for i in range(4)])
+    notes = [n for n in lower_quantized(model).notes if "accuracy_level" in n]
+    assert notes == ["MatMulNBits 'l0': accuracy_level=1 noted (onnxruntime's activation precision); qtvm's "
+                     "activations follow --act",
+                     "3 MatMulNBits ('l1', ...): accuracy_level=4 noted (onnxruntime's activation "
+                     "precision); qtvm's activations follow --act"]
