@@ -337,8 +337,9 @@ class _Lowering:
         self.graph.node.extend(new_nodes)
         for level, names in sorted(self._accuracy_levels.items()):  # one line a level, not one a node
             which = f"MatMulNBits '{names[0]}'" if len(names) == 1 else f"{len(names)} MatMulNBits ('{names[0]}', ...)"
-            self.out.notes.append(f"{which}: accuracy_level={level} noted (onnxruntime's activation precision); "
-                                  "qtvm's activations follow --act")
+            int8 = "; 4 asks for int8, as --act int8 does here" if level == 4 else ""
+            self.out.notes.append(f"{which}: accuracy_level={level} noted (onnxruntime's activation precision"
+                                  f"{int8}); qtvm's activations follow --act")
         if gptq is not None:
             gptq.apply(self)
         self._drop_unused_initializers()

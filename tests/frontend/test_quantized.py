@@ -326,4 +326,4 @@ def test_accuracy_levels_noted_once_a_level():
     assert notes == ["MatMulNBits 'l0': accuracy_level=1 noted (onnxruntime's activation precision); qtvm's "
                      "activations follow --act",
                      "3 MatMulNBits ('l1', ...): accuracy_level=4 noted (onnxruntime's activation "
-                     "precision); qtvm's activations follow --act"]
+                     "precision; 4 asks for int8, as --act int8 does here); qtvm's activations follow --act"]
