@@ -16,7 +16,6 @@ the activation permutation.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
