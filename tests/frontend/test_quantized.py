@@ -286,7 +286,7 @@ def test_lowering_in_place_or_on_a_copy():
     before = model.SerializeToString()
     copied = lower_quantized(model)
     assert copied.model is not model and model.SerializeToString() == before
-    lowered = lower_quantized(model)
+    lowered = lower_quantized(model, in_place=True)
     assert lowered.model is model and not any(n.op_type == "MatMulNBits" for n in model.graph.node)
     assert sorted(lowered.weights) == sorted(copied.weights)
 
