@@ -1,6 +1,7 @@
 """compile(): ONNX file -> one exported shared library (weights inside)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -345,6 +346,8 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     os.close(fd)
     try:
         _export(ex, tmp, toolchain)
+        del ex  # the KV check below loads the artefact: ~4x its weights while TVM's loader runs
+        gc.collect()
         if meta.get("kv_step"):
             problem, last_problem, step_error = (_check_kv_functions(tmp, meta) if toolchain is None
                                                  and _runs_here(target) else ("skip", None, None))
