@@ -88,8 +88,8 @@ class KVSession:
         self._ids_name, self._positions_name = info["ids"], info.get("positions")
         module._use_device()  # a GPU artefact: its device, and the VM placed on it
         self._device = module._device  # None: the CPU, where the buffers are numpy's too
-        self._step = module._vm[info["function"]]
-        self._step_last = module._vm[info["last_function"]] if info.get("last_function") else None
+        self._step = module.entry(info["function"])
+        self._step_last = module.entry(info["last_function"]) if info.get("last_function") else None
         self._shape = tvm_ffi.Shape
         # Caches: one flat buffer each, [batch, heads, L, dim] for the current L, on the artefact's
         # device. On a GPU nothing is zeroed here: _relayout writes every view the step reads

@@ -264,12 +264,19 @@ def _check_kv_functions(path, meta: dict) -> tuple[str | None, str | None, float
     return None, generate.check_last(module, tol=_order_tolerance(meta)), worst
 
 
-def _export(ex, path, toolchain) -> None:
-    from qtvm.deploy.toolchain import export_library
+def _build_and_export(mod, target: tvm.target.Target, path, toolchain, step=lambda stage: None) -> None:
+    """Schedule, compile and export ``mod`` to ``path``. A CPU artefact linked by ``.incbin``
+    holds its weights as a blob beside the VM's module (``relay_passes.lift_weights``,
+    ``qtvm.deploy.weights``): loaded once, onto huge pages; elsewhere they stay constants."""
+    from qtvm.deploy.toolchain import export_library, lifts_weights
     from qtvm.quiet import tvm_output_captured
 
+    step("schedule + build")
+    lifted = [] if target.kind.name == "llvm" and lifts_weights(toolchain) else None
+    ex = compile_relax(schedule_generic_ops(mod, target), target, lifted)
+    step("export")
     with tvm_output_captured():  # TVM logs a warning per planned memory scope while saving
-        export_library(ex, path, toolchain)
+        export_library(ex, path, toolchain, lifted)
 
 
 def _layer_table(layers) -> list[dict]:
@@ -298,9 +305,13 @@ def schedule_generic_ops(mod, target: tvm.target.Target):
     return family_generic(mod, target)
 
 
-def compile_relax(mod, target: tvm.target.Target):
+def compile_relax(mod, target: tvm.target.Target, lifted: list | None = None):
     """tvm.compile with the target family's Relax pipeline (GPU families already fused and
-    scheduled the graph) and what a CUDA target needs around it (``qtvm.cuda``)."""
+    scheduled the graph) and what a CUDA target needs around it (``qtvm.cuda``).
+
+    ``lifted`` (a list, CPU targets): the weights leave the VM's constants
+    (``relay_passes.lift_weights``): every entry point but the metadata takes them as its last
+    argument, and they are appended to ``lifted`` in that tuple's order (for the export)."""
     from schedules import family, tir_pipeline
 
     pipeline = getattr(family(target), "relax_pipeline", None)
@@ -309,7 +320,22 @@ def compile_relax(mod, target: tvm.target.Target):
         from qtvm.cuda import compile_cuda
 
         return compile_cuda(mod, target, relax_pipeline=pipeline)
+    if lifted is not None:
+        pipeline = tvm.transform.Sequential([relax.get_pipeline(pipeline) if isinstance(pipeline, str) else pipeline,
+                                             _lift_weights_pass(lifted)])
     return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline(target))
+
+
+def _lift_weights_pass(lifted: list):
+    from relay_passes.lift_weights import lift_weights
+
+    @tvm.transform.module_pass(opt_level=0, name="qtvm.LiftWeights")
+    def lift(mod, _ctx):
+        mod, weights = lift_weights(mod, keep=(METADATA_FUNC,))
+        lifted.extend(weights)
+        return mod
+
+    return lift
 
 
 def compile_model(model_path, out, target: str | tvm.target.Target = "host", quant: str = "int4-g128",
@@ -339,15 +365,11 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib,
                                              max_length, max_batch, kv_step, dims, combine, kv_cache)
     notes = ([host_note] if host_note else []) + notes
-    step("schedule + build")
-    ex = compile_relax(schedule_generic_ops(mod, target), target)
-    step("export")
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:
-        _export(ex, tmp, toolchain)
-        del ex  # the KV check below loads the artefact: ~4x its weights while TVM's loader runs
-        gc.collect()
+        _build_and_export(mod, target, tmp, toolchain, step)
+        gc.collect()  # the executable and its weights, before the KV check below loads the artefact
         if meta.get("kv_step"):
             problem, last_problem, step_error = (_check_kv_functions(tmp, meta) if toolchain is None
                                                  and _runs_here(target) else ("skip", None, None))
@@ -371,7 +393,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                     meta["kv_step"]["last_function"] = None
                 mod[METADATA_FUNC] = _metadata_function(meta)
                 Path(tmp).unlink()  # a new file, not one rewritten under the check's mapping
-                _export(compile_relax(schedule_generic_ops(mod, target), target), tmp, toolchain)
+                _build_and_export(mod, target, tmp, toolchain)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

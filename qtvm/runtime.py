@@ -65,7 +65,7 @@ class Module:
             raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
         weights = NewMemoryOnHugePages().start()  # the constants TVM allocates while loading
         with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
-            lib = _load_library(path)
+            lib, self._weights = _load_library(path)
         self._vm = VirtualMachine(lib, tvm.cpu())
         try:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
@@ -78,7 +78,7 @@ class Module:
                             f"{', '.join(missing)} that this CPU lacks",
                             "recompile with --target host")
         self._tensor = tvm.runtime.tensor
-        self._main = self._vm["main"]
+        self._main = self.entry("main")
         self._path, self._lib, self._device = path, lib, None
         self.device = self.metadata.get("device", "cpu")
         # CPU kernels stream the constants loaded above; a GPU artefact's run from device memory,
@@ -88,6 +88,22 @@ class Module:
             _check_cuda_arch(path, self.metadata, missing_ok=True)  # a wrong GPU is refused now, none at run
         self._io = _TensorIO()
         self._checked: set = set()  # input signatures (names, shapes, dtypes) already validated
+
+    def entry(self, name: str):
+        """The VM function ``name``, called with the artefact's weights appended where it takes
+        them (``qtvm.deploy.weights``: trailing parameters named after the weight they hold)."""
+        from qtvm.deploy.weights import weight_index
+
+        func = self._vm[name]
+        if self._weights is None:
+            return func
+        arity = int(self._vm.module["get_function_arity"](name))
+        names = [self._vm.module["get_function_param_name"](name, i) for i in range(arity)]
+        held = [weight_index(n) for n in names]
+        if not any(i is not None for i in held):
+            return func
+        weights = [self._weights.tensors[i] for i in held if i is not None]
+        return lambda *args: func(*args, *weights)
 
     @property
     def inputs(self) -> list[dict]:
@@ -162,7 +178,7 @@ class Module:
         _check_cuda_arch(self._path, self.metadata, missing_ok=False)
         self._device = tvm.cuda(0)
         self._vm = VirtualMachine(self._lib, [self._device, tvm.cpu()])
-        self._main = self._vm["main"]
+        self._main = self.entry("main")
         self._tensor = lambda a: tvm.runtime.tensor(a, device=self._device)
 
     def run(self, feeds: dict) -> dict[str, np.ndarray]:
@@ -306,9 +322,10 @@ def load(path: str | os.PathLike) -> Module:
 
 
 def _load_fresh(path: Path, load_module):
-    """dlopen hands back the library already loaded from a path even after the file there was
-    replaced (recompiling to the same path in a notebook, then loading it again), so a file
-    that changed since this process first loaded its path is loaded from a private copy."""
+    """``load_module(path)``, where dlopen hands back the library already loaded from a path even
+    after the file there was replaced (recompiling to the same path in a notebook, then loading
+    it again), so a file that changed since this process first loaded its path is loaded from a
+    private copy."""
     import shutil
     import tempfile
 
@@ -327,14 +344,24 @@ def _load_fresh(path: Path, load_module):
 _LOADED_FILES: dict[str, tuple] = {}
 
 
-def _load_library(path: Path):
-    """The artefact's library (``_load_fresh``); a CUDA artefact first loads TVM's CUDA runtime
-    (``qtvm.cuda``: the driver, or a stub where there is none, so the artefact still opens and
-    says why it cannot run)."""
+def _load_with_weights(path: str):
+    """TVM's module of the library at ``path`` and its weights blob copied out of it (None where
+    its weights are the VM's constants: ``qtvm.deploy.weights``)."""
     import tvm.runtime
 
+    from qtvm.deploy import weights
+
+    lib = tvm.runtime.load_module(path)
+    address = weights.find(path)
+    return lib, (weights.LoadedWeights(address) if address is not None else None)
+
+
+def _load_library(path: Path):
+    """The artefact's library and weights (``_load_fresh``); a CUDA artefact first loads TVM's
+    CUDA runtime (``qtvm.cuda``: the driver, or a stub where there is none, so the artefact
+    still opens and says why it cannot run)."""
     try:
-        return _load_fresh(path, tvm.runtime.load_module)
+        return _load_fresh(path, _load_with_weights)
     except Exception as err:  # noqa: BLE001 -- TVM raises several kinds
         message = str(err)
     if "load_from_bytes.cuda" in message:
@@ -342,7 +369,7 @@ def _load_library(path: Path):
 
         load_cuda_runtime(allow_stub=True)
         try:
-            return _load_fresh(path, tvm.runtime.load_module)
+            return _load_fresh(path, _load_with_weights)
         except Exception:  # noqa: BLE001
             pass
     elif "load_from_bytes.opencl" in message:

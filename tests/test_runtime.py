@@ -224,3 +224,41 @@ def test_reloading_a_recompiled_path_gives_the_new_artefact(tmp_path):
         np.testing.assert_array_equal(runtime.load(art).run({"x": x})["y"], scale * x)
     np.testing.assert_array_equal(first.run({"x": x})["y"], 2 * x)  # a module already loaded keeps its code
     np.testing.assert_array_equal(runtime.load(art).run({"x": x})["y"], 5 * x)
+
+
+def test_weights_are_loaded_once(tmp_path):
+    """A CPU artefact's weights are a blob beside the VM's module (``qtvm.deploy.weights``):
+    loading copies them once. Through the VM's constants TVM's loader held ~4x them at the peak
+    (the embedded module copied, then each constant out of it) and ~2x after."""
+    import onnx
+
+    from qtvm.deploy import elf
+    from qtvm.pipeline import compile_model
+    from tests.conftest import matmul_model
+
+    model, w = matmul_model(2048, 4096)  # 32 MB of float32 weights
+    onnx.save(model, str(tmp_path / "mm.onnx"))
+    out = compile_model(tmp_path / "mm.onnx", tmp_path / "mm.so", quant="none").path
+    table = subprocess.run(["readelf", "-sW", "--dyn-syms", str(out)], capture_output=True, text=True).stdout
+    sizes = {row[7]: (int(row[1], 16), int(row[2], 0)) for row in map(str.split, table.splitlines())
+             if len(row) >= 8 and row[7] in ("qtvm_weights", elf.LIBRARY_BIN)}
+    assert sizes["qtvm_weights"][0] % 4096 == 0
+    assert sizes["qtvm_weights"][1] >= w.nbytes > 20 * sizes[elf.LIBRARY_BIN][1]  # the module: code, no weights
+    script = textwrap.dedent(f"""
+        import numpy as np
+        import qtvm.runtime
+        def hwm():
+            return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        x = np.random.default_rng(1).standard_normal((3, 2048)).astype(np.float32)
+        before = hwm()
+        m = qtvm.runtime.load({str(out)!r})
+        y = m.run({{"x": x}})["y"]
+        print(hwm() - before, float(np.abs(y - x @ np.load({str(tmp_path / 'w.npy')!r})).max()))
+    """)
+    np.save(tmp_path / "w.npy", w)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "QTVM_HUGEPAGES": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    grown, err = proc.stdout.split()
+    assert float(err) < 1e-3
+    assert int(grown) < 1.5 * w.nbytes, f"loading grew the peak by {int(grown) / w.nbytes:.2f}x the weights"

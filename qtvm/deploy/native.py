@@ -89,7 +89,7 @@ def build_runner(toolchain: Toolchain | None, libs: Path, out: Path) -> Path:
     """Compile ``qtvm_run`` for the toolchain's triple (None: this machine) against ``libs``."""
     cc = toolchain.cc if toolchain is not None else (shutil.which("g++") or "c++")
     cmd = [cc, "-std=c++17", "-O2", *[f"-I{d}" for d in _include_dirs()], str(RUNNER_SOURCE), "-o", str(out),
-           f"-L{libs}", "-ltvm_ffi", "-ltvm_runtime", "-Wl,-rpath,$ORIGIN"]
+           f"-L{libs}", "-ltvm_ffi", "-ltvm_runtime", "-ldl", "-Wl,-rpath,$ORIGIN"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise QtvmError(f"building qtvm_run with {cc} failed: {(proc.stderr.strip().splitlines() or ['?'])[0][:300]}")

@@ -8,6 +8,9 @@
 // Links against libtvm_ffi.so and libtvm_runtime.so; built by `qtvm bundle-runtime` or
 // by the CMake project beside this file (CMakeLists.txt).
 // Exit codes: 0 ok, 2 bad input (one line on stderr), 3 runtime failure.
+// An artefact's weights are a blob beside the VM's module (qtvm/deploy/weights.py has its
+// layout): copied once into tensors of their own and passed to main as the parameters that
+// name them (qtvm_w<index>).
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
 #include <tvm/ffi/container/tensor.h>
@@ -15,6 +18,11 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -161,6 +169,59 @@ void CheckCpuFlags(const ffi::Map<ffi::Any, ffi::Any>& meta, const std::string& 
     throw BadInput("'" + model + "' needs CPU features " + missing + " that this CPU lacks; recompile it with --target host");
 }
 
+// The weights blob (qtvm/deploy/weights.py), copied into tensors of their own; none where
+// the artefact keeps its weights in the VM's constants.
+std::vector<ffi::Tensor> LoadWeights(const std::string& model) {
+  std::vector<ffi::Tensor> out;
+  void* handle = dlopen(model.c_str(), RTLD_LAZY | RTLD_NOLOAD);  // the library TVM loaded
+  const char* blob = handle ? static_cast<const char*>(dlsym(handle, "qtvm_weights")) : nullptr;
+  if (blob == nullptr) return out;
+  if (std::memcmp(blob, "QTVMWTS1", 8) != 0) throw BadInput("'" + model + "' has a damaged weights blob");
+  uint64_t count, data_start;
+  std::memcpy(&count, blob + 8, 8);
+  std::memcpy(&data_start, blob + 16, 8);
+  const char* rec = blob + 24;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  for (uint64_t i = 0; i < count; ++i) {
+    uint64_t offset, nbytes;
+    uint16_t lanes;
+    uint32_t ndim;
+    std::memcpy(&offset, rec, 8);
+    std::memcpy(&nbytes, rec + 8, 8);
+    DLDataType dtype{static_cast<uint8_t>(rec[16]), static_cast<uint8_t>(rec[17]), 0};
+    std::memcpy(&lanes, rec + 18, 2);
+    std::memcpy(&ndim, rec + 20, 4);
+    dtype.lanes = lanes;
+    std::vector<int64_t> dims(ndim);
+    std::memcpy(dims.data(), rec + 24, 8 * ndim);
+    rec += 24 + 8 * ndim;
+    ffi::Tensor t = ffi::Tensor::FromNDAlloc(CpuAlloc(), ffi::Shape(dims), dtype, DLDevice{kDLCPU, 0});
+    const char* src = blob + data_start + offset;
+    std::memcpy(t.data_ptr(), src, nbytes);
+    uintptr_t lo = (reinterpret_cast<uintptr_t>(src) + page - 1) / page * page;
+    uintptr_t hi = (reinterpret_cast<uintptr_t>(src) + nbytes) / page * page;
+    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // the library's copy
+    out.push_back(t);
+  }
+  return out;
+}
+
+// ``args`` with the weights ``name`` takes appended (its parameters named qtvm_w<index>).
+void AppendWeights(ffi::Module vm, const std::string& name, const std::vector<ffi::Tensor>& weights,
+                   std::vector<ffi::Any>* args) {
+  if (weights.empty()) return;
+  int64_t arity = vm->GetFunction("get_function_arity").value()(name).cast<int64_t>();
+  for (int64_t i = 0; i < arity; ++i) {
+    std::string param = vm->GetFunction("get_function_param_name").value()(name, i).cast<ffi::String>();
+    if (param.rfind("qtvm_w", 0) != 0 || param.size() == 6 ||
+        param.find_first_not_of("0123456789", 6) != std::string::npos)
+      continue;
+    size_t index = std::stoul(param.substr(6));
+    if (index >= weights.size()) throw BadInput("'" + name + "' takes a weight the artefact does not hold");
+    args->push_back(weights[index]);
+  }
+}
+
 int Run(int argc, char** argv) {
   if (argc < 2) throw BadInput("usage: qtvm_run model.so [--metadata] [NAME=in.npy ...] [-o OUTDIR]");
   std::string model = argv[1], out_dir = ".";
@@ -181,6 +242,7 @@ int Run(int argc, char** argv) {
   if (!std::ifstream(model)) throw BadInput("artefact '" + model + "' does not exist");
   if (model.find('/') == std::string::npos) model = "./" + model;  // dlopen searches the library path otherwise
   ffi::Module lib = ffi::Module::LoadFromFile(model);
+  std::vector<ffi::Tensor> weights = LoadWeights(model);
   ffi::Module vm = lib->GetFunction("vm_load_executable").value()().cast<ffi::Module>();
   vm->GetFunction("vm_initialization").value()(static_cast<int>(kDLCPU), 0, 2 /* pooled allocator */);
   auto meta_fn = vm->GetFunction("qtvm_metadata");
@@ -209,6 +271,7 @@ int Run(int argc, char** argv) {
     feeds.erase(it);
   }
   if (!feeds.empty()) throw BadInput("unknown input '" + feeds.begin()->first + "'");
+  AppendWeights(vm, "main", weights, &args);
   std::vector<ffi::AnyView> views(args.begin(), args.end());
   ffi::Any result;
   vm->GetFunction("main").value().CallPacked(views.data(), static_cast<int32_t>(views.size()), &result);

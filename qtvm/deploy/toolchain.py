@@ -202,19 +202,28 @@ def toolchain_for(target, cross_cc: str | None = None) -> Toolchain | None:
     return chain
 
 
-def export_library(ex, path: str | os.PathLike, toolchain: Toolchain | None) -> None:
+def lifts_weights(toolchain: Toolchain | None) -> bool:
+    """Whether the export can link the weights as a blob of their own (``qtvm.deploy.weights``):
+    where it links by ``.incbin`` (ELF). Elsewhere they stay the VM's constants."""
+    return toolchain is not None or sys.platform.startswith("linux")
+
+
+def export_library(ex, path: str | os.PathLike, toolchain: Toolchain | None, weights: list | None = None) -> None:
     """Export ``ex`` (a Relax executable or runtime module) to ``path``, linked by
     ``toolchain`` when cross building and then checked with readelf (raises QtvmError);
-    the caller owns ``path`` (a temp file it renames into place)."""
+    ``weights``: the lifted weights its entry points take (``lifts_weights`` must hold), linked in
+    as their blob. The caller owns ``path`` (a temp file it renames into place)."""
+    if weights and not lifts_weights(toolchain):
+        raise QtvmError("internal: lifted weights on a platform without .incbin", "report this")
     if toolchain is None:  # the assembler directives are ELF's: elsewhere TVM's packer
-        pack = _pack_imports_by_incbin(build_arch()) if sys.platform.startswith("linux") else None
+        pack = _pack_imports_by_incbin(build_arch(), weights) if sys.platform.startswith("linux") else None
         ex.export_library(str(path), fpack_imports=pack)
         return
     from qtvm.deploy import elf
 
     try:
         ex.export_library(str(path), fcompile=toolchain.fcompile(),
-                          fpack_imports=_pack_imports_by_incbin(toolchain.arch))
+                          fpack_imports=_pack_imports_by_incbin(toolchain.arch, weights))
     except RuntimeError as e:  # the linker's message, not TVM's trace
         lines = [line for line in str(e).splitlines() if line.strip()]
         raise QtvmError(f"linking for {toolchain.triple} with {toolchain.cc} failed: "
@@ -224,14 +233,22 @@ def export_library(ex, path: str | os.PathLike, toolchain: Toolchain | None) -> 
         raise QtvmError(f"the {toolchain.triple} artefact fails its readelf check: {'; '.join(problems)}")
 
 
-def _pack_imports_by_incbin(arch: str):
+def _incbin(section: str, symbol: str, data: str, size: int, align: int) -> str:
+    return (f'\t.section {section},"a",%progbits\n\t.globl {symbol}\n\t.type {symbol}, %object\n'
+            f'\t.balign {align}\n{symbol}:\n\t.incbin "{data}"\n\t.size {symbol}, {size}\n')
+
+
+def _pack_imports_by_incbin(arch: str, weights: list | None = None):
     """``export_library``'s ``fpack_imports``: the serialized imports (the VM's bytecode and
-    constants, so the model's weights) written to a file the assembler links in with
-    ``.incbin``, under the symbol TVM's loader looks up. TVM's own packer copies them into an
-    LLVM constant and then into an object in memory: ~5x the weights at the peak (15.5 GB to
-    export 2.5 GB of int4 weights); this holds them twice, while TVM serializes them."""
+    constants) written to a file the assembler links in with ``.incbin``, under the symbol
+    TVM's loader looks up, and the lifted ``weights`` as their blob (``qtvm.deploy.weights``)
+    beside it. TVM's own packer copies the imports into an LLVM constant and then into an
+    object in memory: ~5x the weights at the peak (15.5 GB to export 2.5 GB of int4 weights)
+    when they are constants; this holds them twice, while TVM serializes them."""
     import numpy as np
     import tvm
+
+    from qtvm.deploy.weights import DATA_ALIGN, SYMBOL, write_blob
 
     def pack(module, is_system_lib: bool, prefix: str, workspace_dir: str) -> str:
         if is_system_lib:  # TVM's packer would also register the blob with the system library
@@ -244,10 +261,13 @@ def _pack_imports_by_incbin(arch: str):
         symbol = prefix + tvm.get_global_func("runtime.ModuleImportsBlobName")()
         # x86-64: a large section, laid out past the code and data its +-2 GiB addressing reaches
         section = ".lrodata" if arch == "x86_64" else ".rodata"
+        text = _incbin(section, symbol, data, size, 8)
+        if weights:
+            blob_path = os.path.join(workspace_dir, "weights.bin")
+            text += _incbin(section, SYMBOL, blob_path, write_blob(weights, blob_path), DATA_ALIGN)
         source = os.path.join(workspace_dir, "imports.s")
         with open(source, "w") as f:
-            f.write(f'\t.section {section},"a",%progbits\n\t.globl {symbol}\n\t.type {symbol}, %object\n'
-                    f'\t.balign 8\n{symbol}:\n\t.incbin "{data}"\n\t.size {symbol}, {size}\n')
+            f.write(text)
         return source
 
     return pack
