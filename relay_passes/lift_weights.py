@@ -1,20 +1,23 @@
-"""The weights out of the VM's constants and into one parameter every entry point takes.
+"""The weights out of the VM's constants and into parameters of the functions that read them.
 
 TVM's VM executable keeps constants in its serialized bytes: loading an artefact copies the
 embedded module out of the library, then every constant out of that copy (~4x the weights at
 the peak: 3.85 GB to load a 913 MB artefact), and the library's pages stay resident beside
 the copies (2.2x afterwards). Lifted, the weights are a blob of their own in the library
-(``qtvm.deploy.weights``) that the runtime copies once, onto huge pages, and hands to each
-call as a tuple: ~1x at the peak and after.
+(``qtvm.deploy.weights``) that the runtime copies once, onto huge pages, and passes to each
+entry point: ~1x at the peak and after.
 
 The pass runs last, on the lowered functions the VM's code generator reads (after the shape
-checks are inserted: the runtime builds the tuple from the artefact's own table, so checking
-every weight at every call would only cost time). Each public function except the metadata
-gets the tuple as its last parameter and reads the weights it uses from it once, at its
-start. A constant used by several functions is one weight (constants are keyed by the tensor
-they hold, as the VM's constant pool dedups them).
+checks are inserted: the runtime builds the weights from the artefact's own table, so
+checking each at every call would only cost time). A function that reads a weight, or calls
+one that does, takes it as a trailing parameter ``qtvm_w<index>``; callers pass theirs on.
+Equal tensors are one weight (the same tensor used by several functions, and tensors made
+apart with the same values, as the VM's constant pool merged them: 15 MB of one 1.1B model's
+zero points). The metadata function keeps its constant: it is called without weights.
 """
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import tvm
@@ -49,6 +52,12 @@ def _large_constants(func: relax.Function, min_bytes: int) -> list:
 
     relax.analysis.post_order_visit(func.body, visit)
     return found
+
+
+def _content_key(data) -> tuple:
+    """Dtype, shape and a digest of the bytes: one weight for tensors that hold the same values."""
+    raw = np.from_dlpack(data._create_view((_nbytes(data),), "uint8"))
+    return str(data.dtype), tuple(int(d) for d in data.shape), hashlib.blake2b(memoryview(raw), digest_size=16).digest()
 
 
 def _callees(func: relax.Function) -> set[str]:
@@ -97,6 +106,7 @@ def lift_weights(mod: tvm.IRModule, keep: tuple[str, ...] = (), min_bytes: int =
     funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     weights: list = []
     index: dict[int, int] = {}  # a tensor's data pointer -> its weight index
+    by_content: dict[tuple, int] = {}
     takes: dict[str, set[int]] = {}
     for name, func in funcs.items():
         if name in keep:  # its constants stay; it must not call a function that takes weights
@@ -104,8 +114,11 @@ def lift_weights(mod: tvm.IRModule, keep: tuple[str, ...] = (), min_bytes: int =
         for data in _large_constants(func, min_bytes):
             key = data.data_ptr()
             if key not in index:
-                index[key] = len(weights)
-                weights.append(data)
+                same = _content_key(data)  # equal tensors made apart (every layer's zero points)
+                if same not in by_content:
+                    by_content[same] = len(weights)
+                    weights.append(data)
+                index[key] = by_content[same]
             takes.setdefault(name, set()).add(index[key])
     if not weights:
         return mod, []

@@ -78,3 +78,22 @@ def test_weight_index_reads_only_its_own_names():
     assert weight_index(f"{PARAM_PREFIX}12") == 12
     assert weight_index("x") is None and weight_index(PARAM_PREFIX) is None
     assert weight_index(f"{PARAM_PREFIX}1a") is None
+
+
+def test_equal_tensors_made_apart_are_one_weight():
+    """Every layer's zero points are often the same values in tensors of their own."""
+    w = np.arange(64 * 32, dtype="float32").reshape(64, 32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, 64], "float32"))
+    with bb.function("main", [x]):
+        a = bb.emit(relax.op.matmul(x, relax.const(w)))
+        b = bb.emit(relax.op.matmul(x, relax.const(w.copy())))
+        c = bb.emit(relax.op.matmul(x, relax.const(w + 1)))
+        bb.emit_func_output(bb.emit(relax.op.add(relax.op.add(a, b), c)))
+    out, weights = lift_weights(bb.get())
+    assert len(weights) == 2
+    assert [p.name for p in out["main"].params] == ["x", f"{PARAM_PREFIX}0", f"{PARAM_PREFIX}1"]
+    ex = tvm.compile(out, target="llvm")
+    xv = np.ones((2, 64), "float32")
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(xv), *weights).numpy()
+    np.testing.assert_allclose(got, xv @ w * 2 + xv @ (w + 1), rtol=1e-6)
