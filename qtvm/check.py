@@ -209,18 +209,21 @@ def _ort_session(model, path=None):
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to qtvm
     opts.log_severity_level = 4  # its warnings are not the user's business here; its errors come back raised
-    with tempfile.TemporaryDirectory(prefix="qtvm-check-") as tmp:
+
+    def session(source):
         try:
-            if path is None and _weight_bytes(model) > SERIALIZED_LIMIT:
-                path = f"{tmp}/model.onnx"
-                copy = _copy(model)  # saving with external data moves the copy's weights to the file
-                onnx.save_model(copy, path, save_as_external_data=True, location="model.onnx.data")
-                del copy
-            source = str(path) if path is not None else model.SerializeToString()
             return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
             raise QtvmError(f"onnxruntime cannot run the model ({str(e).strip().splitlines()[0][:200]})",
                             "qtvm check needs a model onnxruntime or ONNX's reference evaluator runs") from None
+
+    if path is not None or _weight_bytes(model) <= SERIALIZED_LIMIT:
+        return session(str(path) if path is not None else model.SerializeToString())
+    with tempfile.TemporaryDirectory(prefix="qtvm-check-") as tmp:
+        copy = _copy(model)  # saving with external data moves the copy's weights to the file
+        onnx.save_model(copy, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
+        del copy
+        return session(f"{tmp}/model.onnx")
 
 
 #: initializer bytes past which a model is handed to onnxruntime as files (protobuf's limit is 2 GiB)

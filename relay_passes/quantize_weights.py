@@ -19,6 +19,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qtvm import ops
 from qtvm.formats import QuantFormat, QuantizedTensor
+from qtvm.formats.base import bits_per_weight
 from schedules import facts as target_facts
 from schedules import schedule_kernel
 
@@ -44,8 +45,7 @@ class QuantizedMatmul:
 
     @property
     def bits_per_weight(self) -> float:
-        """Counted from the stored bytes (padding, scales, zeros included)."""
-        return 8.0 * self.packed_bytes / (self.k * self.n)
+        return bits_per_weight(self.packed_bytes, self.k, self.n)
 
 
 @dataclass

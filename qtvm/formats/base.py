@@ -16,6 +16,11 @@ import numpy as np
 from qtvm.errors import QtvmError
 
 
+def bits_per_weight(stored_bytes: int, k: int, n: int) -> float:
+    """Counted from the stored bytes (padding, scales, zeros included)."""
+    return 8.0 * stored_bytes / (k * n)
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """Packed weights of one [K, N] matrix (K = input features, N = outputs).
@@ -35,8 +40,7 @@ class QuantizedTensor:
 
     @property
     def bits_per_weight(self) -> float:
-        """Counted from the stored bytes (padding, scales, zeros included)."""
-        return 8.0 * self.nbytes / (self.k * self.n)
+        return bits_per_weight(self.nbytes, self.k, self.n)
 
     def dequantize(self) -> np.ndarray:
         return self.fmt.dequantize_reference(self)
