@@ -106,7 +106,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
             raise QtvmError("--calib is only used by --quant gptq:<preset>", "e.g. --quant gptq:int4-g128")
         fmt = None if quant == FLOAT else get_format(quant)
         gptq = GptqCheckpoint(gptq, gptq_format) if gptq is not None else None
-    model = load_onnx(model_path)
+    model = load_onnx(model_path, lazy=True)  # external weights read as each is imported
     rename_dims(model, dims or {})
     validate(model, f"'{model_path}'")
     summary = summarize(model)
@@ -310,8 +310,9 @@ def compile_relax(mod, target: tvm.target.Target, lifted: list | None = None):
     scheduled the graph) and what a CUDA target needs around it (``qtvm.cuda``).
 
     ``lifted`` (a list, CPU targets): the weights leave the VM's constants
-    (``relay_passes.lift_weights``): every entry point but the metadata takes them as its last
-    argument, and they are appended to ``lifted`` in that tuple's order (for the export)."""
+    (``relay_passes.lift_weights``): each function that reads one takes it as a trailing
+    parameter ``qtvm_w<index>``, and they are appended to ``lifted`` in index order (for the
+    export's blob)."""
     from schedules import family, tir_pipeline
 
     pipeline = getattr(family(target), "relax_pipeline", None)

@@ -267,9 +267,9 @@ def constant_weights(model) -> list[_Weight]:
     Raises QtvmError when there are none, or when one holds NaN/Inf (naming it).
     """
     import onnx
-    from onnx import numpy_helper
 
     from qtvm.formats.base import check_weight
+    from qtvm.frontend.onnx import tensor_array
     from qtvm.reference import _weight_inputs
 
     # The same rule as qtvm.reference: one (initializer, transB) per qualifying node, in node order.
@@ -301,7 +301,7 @@ def constant_weights(model) -> list[_Weight]:
                         "nothing to quantize", hint)
     inits = {t.name: t for t in model.graph.initializer}
     for w in by_name.values():
-        check_weight(numpy_helper.to_array(inits[w.init_name]), _what(w))
+        check_weight(tensor_array(inits[w.init_name]), _what(w))
     return list(by_name.values())
 
 
@@ -311,9 +311,10 @@ def _what(w: _Weight) -> str:
 
 def _kn(model_inits: dict, w: _Weight):
     import numpy as np
-    from onnx import numpy_helper
 
-    a = numpy_helper.to_array(model_inits[w.init_name]).astype(np.float32, copy=False)
+    from qtvm.frontend.onnx import tensor_array
+
+    a = tensor_array(model_inits[w.init_name]).astype(np.float32, copy=False)
     return np.ascontiguousarray(a.T if w.trans_b else a)
 
 

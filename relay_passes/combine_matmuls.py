@@ -32,7 +32,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes.quantize_weights import MATMUL, _constant_weight
+from relay_passes.quantize_weights import MATMUL, _weight_source, read_weight
 
 
 def _plain_matmul(call) -> bool:
@@ -52,11 +52,14 @@ def _groups(block: relax.DataflowBlock, lookup) -> list[list[tuple[relax.Var, np
         if not isinstance(x, relax.Var) or not isinstance(ty, relax.TensorType) or ty.dtype != "float32" \
                 or ty.ndim < 1:
             continue
-        w = _constant_weight(value.args[1], lookup)
-        if w is None:
+        source = _weight_source(value.args[1], lookup)
+        if source is None:
             continue
-        by_input.setdefault((x, w.shape[0]), []).append((binding.var, w))
-    return [members for members in by_input.values() if len(members) >= 2]
+        k = int(source[0].shape[1 if source[1] else 0])
+        by_input.setdefault((x, k), []).append((binding.var, source))
+    # read only the weights that are combined: holding every one would double the model
+    return [[(var, read_weight(source)) for var, source in members]
+            for members in by_input.values() if len(members) >= 2]
 
 
 @mutator

@@ -63,22 +63,37 @@ class QuantizeReport:
         return sum(layer.float_bytes for layer in self.layers)
 
 
-def _constant_weight(expr, lookup) -> np.ndarray | None:
-    """The [K, N] float32 weight behind ``expr``, or None if it is computed."""
+def _weight_source(expr, lookup):
+    """(the constant tensor, transposed) behind ``expr`` where it is a [K, N] float32 weight
+    (a constant, or a constant through 2-D permute_dims), else None; nothing is copied."""
     if isinstance(expr, relax.Var):
         bound = lookup(expr)
         if bound is None:
             return None
         expr = bound
     if isinstance(expr, tvm.ir.expr.Constant):
-        w = expr.value.numpy()
-        return w if w.ndim == 2 and w.dtype == np.float32 else None
+        t = expr.value
+        ok = isinstance(t, tvm.runtime.Tensor) and len(t.shape) == 2 and str(t.dtype) == "float32"
+        return (t, False) if ok else None
     if isinstance(expr, relax.Call) and expr.op == PERMUTE:
-        inner = _constant_weight(expr.args[0], lookup)
+        inner = _weight_source(expr.args[0], lookup)
         axes = expr.attrs.axes
         if inner is not None and (axes is None or [int(a) for a in axes] == [1, 0]):
-            return np.ascontiguousarray(inner.T)
+            return inner[0], not inner[1]
     return None
+
+
+def read_weight(source) -> np.ndarray:
+    """The [K, N] array of a ``_weight_source`` (a copy)."""
+    tensor, transposed = source
+    w = tensor.numpy()
+    return np.ascontiguousarray(w.T) if transposed else w
+
+
+def _constant_weight(expr, lookup) -> np.ndarray | None:
+    """The [K, N] float32 weight behind ``expr``, or None if it is computed."""
+    source = _weight_source(expr, lookup)
+    return None if source is None else read_weight(source)
 
 
 @mutator

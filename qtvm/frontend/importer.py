@@ -24,6 +24,7 @@ from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter, get_type, o
 
 from qtvm import dims as dimexpr
 from qtvm.errors import QtvmError
+from qtvm.frontend.onnx import tensor_array
 from qtvm.frontend.shapes import Folder, Known, Symbols, constant_array, dim_text, is_symbolic, known_from_numpy
 
 CONTROL_FLOW = ("If", "Loop", "Scan")
@@ -93,6 +94,11 @@ class Importer(ONNXGraphImporter):
         self._value_funcs: dict[tuple, tvm.ir.GlobalVar] = {}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
+    def _parse_array(self, tensor_proto: onnx.TensorProto):
+        """An initializer as TVM's tensor, read from its external file where it has one
+        (``load_onnx(lazy=True)``: the proto holds no copy)."""
+        return tvm.runtime.tensor(tensor_array(tensor_proto).reshape(tuple(tensor_proto.dims)))
+
     # -- lookups used by converters ------------------------------------------------
     def known_input(self, node: onnx.NodeProto, i: int) -> Known | None:
         name = node.input[i] if i < len(node.input) else ""
@@ -147,7 +153,7 @@ class Importer(ONNXGraphImporter):
         graph = self.model.graph
         self._parse_graph_initializers(graph)
         for t in graph.initializer:
-            k = known_from_numpy(onnx.numpy_helper.to_array(t)) if _small(t) else None
+            k = known_from_numpy(tensor_array(t)) if _small(t) else None
             if k is not None:
                 self.known[t.name] = k
         params = self._graph_inputs(graph)

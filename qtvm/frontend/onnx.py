@@ -25,21 +25,64 @@ class OnnxSummary:
     outputs: list[tuple[str, str, list]] = field(default_factory=list)
 
 
-def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+def load_onnx(path: str | os.PathLike, lazy: bool = False) -> onnx.ModelProto:
+    """The model at ``path``. ``lazy``: initializers stored in external files stay there (their
+    locations made absolute) and are read one at a time where used (``tensor_array``): the
+    compile imports each into TVM's memory, so loading them all first held every weight twice
+    (protobuf frees nothing of a loaded message until the whole message goes)."""
     path = Path(path)
     if not path.exists():
         raise QtvmError(f"model file '{path}' does not exist", "check the path")
     if path.is_dir():
         raise QtvmError(f"'{path}' is a directory, not an ONNX file", "pass the .onnx file itself")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=not lazy)
     except Exception:  # protobuf raises DecodeError and friends for non-ONNX bytes
         raise QtvmError(f"'{path}' is not a readable ONNX model (not ONNX, or truncated)",
                         "re-export the model or check the download") from None
     if not model.graph.node or not model.opset_import:
         raise QtvmError(f"'{path}' is not a readable ONNX model (no graph nodes or opset)",
                         "re-export the model or check the download")
+    if lazy:
+        _locate_external_data(model, path.parent)
     return model
+
+
+def _locate_external_data(model: onnx.ModelProto, base: Path) -> None:
+    """Initializers' external locations made absolute (missing files named in one error); other
+    external tensors (attributes, subgraphs' initializers: rare) loaded now, as ``onnx.load`` would."""
+    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_tensor
+
+    missing = set()
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        entry = next((e for e in t.external_data if e.key == "location"), None)
+        where = base / entry.value if entry is not None else None
+        if where is None or not where.is_file():
+            missing.add(entry.value if entry is not None else f"(no location for '{t.name}')")
+        else:
+            entry.value = str(where.resolve())
+    if missing:
+        raise QtvmError(f"the model's external weight files are missing: {', '.join(sorted(missing))}",
+                        f"put them beside the model in {base}")
+    for t in _get_all_tensors(model):  # (protobuf's wrappers are new objects each time: tell by the path)
+        if t.data_location == onnx.TensorProto.EXTERNAL and not any(
+                e.key == "location" and os.path.isabs(e.value) for e in t.external_data):
+            load_external_data_for_tensor(t, str(base))
+
+
+def tensor_array(t: onnx.TensorProto):
+    """A tensor's value as numpy, read from its external file where it has one (one tensor at a
+    time, in a message of its own: the model's stays as small as it was loaded)."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return onnx.numpy_helper.to_array(t)
+    info = {e.key: e.value for e in t.external_data}
+    with open(info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        data = f.read(int(info["length"]) if "length" in info else -1)
+    inline = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=data)
+    return onnx.numpy_helper.to_array(inline)
 
 
 def parse_dim_options(items) -> dict[str, str]:
@@ -121,7 +164,8 @@ def weightless_copy(model: onnx.ModelProto, dims: bool = True) -> onnx.ModelProt
     _copy_fields(model, light, skip="graph")
     _copy_fields(model.graph, light.graph, skip="initializer")
     for t in model.graph.initializer:
-        if math.prod(t.dims) <= _STUB_ELEMENTS:  # (protobuf's ByteSize walks the data: slow)
+        if math.prod(t.dims) <= _STUB_ELEMENTS and t.data_location != onnx.TensorProto.EXTERNAL:
+            # (protobuf's ByteSize walks the data: slow)
             light.graph.initializer.add().CopyFrom(t)
             continue
         stub = light.graph.initializer.add(name=t.name, data_type=t.data_type)
@@ -186,7 +230,7 @@ class WeightSource:
     @property
     def array(self):
         """The weight as a numpy array, as stored (a copy: read it where it is used)."""
-        return onnx.numpy_helper.to_array(self.tensor)
+        return tensor_array(self.tensor)
 
 
 def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:

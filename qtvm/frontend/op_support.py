@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qtvm.frontend.onnx import weightless_copy
+from qtvm.frontend.onnx import tensor_array, weightless_copy
 
 #: Element types qtvm compiles and its runtime passes through numpy.
 SUPPORTED_DTYPES = {
@@ -205,7 +205,7 @@ def _resize_problems(node: onnx.NodeProto, constants: dict[str, TensorProto]) ->
     if _attr(node, "axes") is not None:
         out.append("the axes attribute is not supported")
     if mode in ("linear", "cubic") and _has_input(node, 2):
-        scales = numpy_helper.to_array(constants[node.input[2]]) if node.input[2] in constants else None
+        scales = tensor_array(constants[node.input[2]]) if node.input[2] in constants else None
         if scales is not None and any(v < 1 or v != int(v) for v in scales.ravel().tolist()):
             out.append(f"{mode} resize by non-integer or downscaling scales is computed wrong by TVM's "
                        "converter; give the output sizes instead")

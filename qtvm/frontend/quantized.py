@@ -45,6 +45,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.errors import QtvmError
+from qtvm.frontend.onnx import tensor_array
 from qtvm.formats.blockwise import BlockQuantized, PackedCodes, unpack_low_first
 
 MARKER_PREFIX = "qtvm_prequantized_"
@@ -95,7 +96,7 @@ class _Lowering:
         if name not in self.inits:
             return None
         if name not in self._arrays:
-            self._arrays[name] = numpy_helper.to_array(self.inits[name])
+            self._arrays[name] = tensor_array(self.inits[name])
         return self._arrays[name]
 
     def consumers(self, tensor: str) -> list[tuple[onnx.NodeProto, int]]:

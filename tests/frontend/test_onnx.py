@@ -130,3 +130,30 @@ def test_checker_and_shape_inference_see_no_weight_data(monkeypatch):
     broken.graph.node[1].input[0] = "nowhere"
     with pytest.raises(QtvmError, match="fails the ONNX checker"):
         validate(broken)
+
+
+def test_lazy_load_leaves_external_weights_in_their_file(tmp_path):
+    """``load_onnx(lazy=True)`` (the compile's): external initializers stay in their file until
+    read one at a time (``tensor_array``); the compiled model computes x @ w as the eager one."""
+    import numpy as np
+
+    from qtvm.frontend.onnx import tensor_array
+    from qtvm.pipeline import compile_model
+    from qtvm.runtime import load
+    from tests.conftest import matmul_model
+
+    model, w = matmul_model(96, 80)
+    onnx.save(model, str(tmp_path / "mm.onnx"), save_as_external_data=True, location="mm.onnx.data",
+              size_threshold=0)
+    lazy = load_onnx(tmp_path / "mm.onnx", lazy=True)
+    t = lazy.graph.initializer[0]
+    assert t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data
+    assert any(e.key == "location" and e.value == str((tmp_path / "mm.onnx.data").resolve()) for e in t.external_data)
+    np.testing.assert_array_equal(tensor_array(t), w)
+    assert not t.raw_data  # reading did not load it into the model
+    out = compile_model(tmp_path / "mm.onnx", tmp_path / "mm.so", quant="none").path
+    x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
+    np.testing.assert_allclose(load(out).run({"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+    (tmp_path / "mm.onnx.data").rename(tmp_path / "elsewhere.data")
+    with pytest.raises(QtvmError, match="external weight files are missing: mm.onnx.data"):
+        load_onnx(tmp_path / "mm.onnx", lazy=True)

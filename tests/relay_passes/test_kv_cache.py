@@ -57,7 +57,7 @@ def run_step(module, x: dict, past: int, rng, garbage: bool = True):
             # keys the attention reads as k^T are kept transposed: [b, h, dim, length]
             caches[name] = tvm.runtime.tensor(buf.transpose(0, 1, 3, 2).copy() if layouts[name] == "bhdl" else buf)
             args.append(caches[name])
-    logits = module._vm[STEP_FUNC](*args, tvm_ffi.Shape((past, length // PAD)))
+    logits = module.entry(STEP_FUNC)(*args, tvm_ffi.Shape((past, length // PAD)))
     back = {k: v.numpy().transpose(0, 1, 3, 2) if layouts[k] == "bhdl" else v.numpy() for k, v in caches.items()}
     return logits.numpy(), back, before
 
