@@ -564,9 +564,13 @@ def trace_model(path, ids: np.ndarray, device) -> dict:
     """Every packed-matmul call of one run of the artefact at ``path``: its input and output,
     in call order (the VM's instrument hook), to find where a GPU run leaves the CPU's."""
     import tvm
-    import tvm.runtime.vm  # noqa: F401
 
-    vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(path)), device)
+    from qtvm.runtime import Module
+
+    module = Module(path)  # a CPU artefact's weights are arguments (qtvm.deploy.weights)
+    if device.dlpack_device_type() != tvm.cpu().dlpack_device_type():
+        module._use_device()
+    vm = module._vm
     calls, order = {}, []
 
     def instrument(func, symbol, before_run, ret, *args):
@@ -580,7 +584,7 @@ def trace_model(path, ids: np.ndarray, device) -> dict:
         return 0
 
     vm.set_instrument(instrument)
-    out = vm["main"](tvm.runtime.tensor(ids, device=device))
+    out = module.entry("main")(tvm.runtime.tensor(ids, device=device))
     calls["logits"] = (out[0] if isinstance(out, (list, tuple)) or hasattr(out, "__getitem__") and
                        not hasattr(out, "numpy") else out).numpy()
     return calls
