@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from pathlib import Path
 
@@ -97,7 +98,9 @@ def huge_aligned(r: Range) -> Range | None:
     return (lo, hi) if hi > lo else None
 
 
+@functools.lru_cache(maxsize=1)
 def _madvise():
+    """libc's madvise (found once: ``find_library`` takes ~1 ms, and a load calls this per chunk)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     fn = libc.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -122,9 +122,10 @@ class LoadedWeights:
     """An artefact's weights copied out of its library (see the module's docstring):
     ``tensors``, indexed as the entry points' weight parameters name them.
 
-    Each weight is a tensor TVM allocates, as the VM's constants were: views into one buffer
-    (DLPack) ran the TinyLlama-1.1B-shaped decode step 3.7% slower on huge pages and 20% on
-    4 KiB pages (Zen 4, 1 thread, same artefact, same bytes; cause not found)."""
+    Each weight is a tensor TVM allocates, as the VM's constants were: views into one anonymous
+    mapping ran the TinyLlama-1.1B-shaped decode step 3.7% slower on huge pages and 20% on 4 KiB
+    pages (Zen 4, 1 thread, same artefact, same bytes); TVM's own tensors passed through DLPack
+    ran as fast as TVM's, so it is the one mapping, for a reason not found."""
 
     def __init__(self, address: int):
         import tvm.runtime
@@ -133,7 +134,9 @@ class LoadedWeights:
 
         data_start, self.entries = read_table(lambda off, n: ctypes.string_at(address + off, n))
         self.nbytes = sum(e.nbytes for e in self.entries)
-        with NewMemoryOnHugePages(written=False):  # advised before the copy writes them: 2 MiB pages
+        # advised before the copy writes them (most fault in as 2 MiB pages: 540 of 905 MB here);
+        # the runtime collapses the rest after the load (880-905 MB)
+        with NewMemoryOnHugePages(written=False):
             self.tensors = [tvm.runtime.empty(e.shape, e.dtype) for e in self.entries]
         for e, tensor in zip(self.entries, self.tensors):
             src = address + data_start + e.offset
