@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from qtvm.deploy.weights import PARAM_PREFIX, storable
+from qtvm.deploy.weights import PARAM_PREFIX, storable, tensor_bytes, tensor_nbytes
 
 #: Constants smaller than this stay constants (shapes, indices, small tables).
 MIN_BYTES = 1 << 12
@@ -37,17 +36,13 @@ def _tensor_of(expr):
     return value if isinstance(value, tvm.runtime.Tensor) else None
 
 
-def _nbytes(data) -> int:
-    return int(np.prod([int(d) for d in data.shape], dtype=np.int64)) * tvm.DataType(str(data.dtype)).bits // 8
-
-
 def _large_constants(func: relax.Function, min_bytes: int) -> list:
     """The tensors of ``func``'s constants of at least ``min_bytes``."""
     found: list = []
 
     def visit(expr):
         data = _tensor_of(expr)
-        if data is not None and _nbytes(data) >= min_bytes and storable(str(data.dtype)):
+        if data is not None and tensor_nbytes(data) >= min_bytes and storable(str(data.dtype)):
             found.append(data)
 
     relax.analysis.post_order_visit(func.body, visit)
@@ -56,8 +51,8 @@ def _large_constants(func: relax.Function, min_bytes: int) -> list:
 
 def _content_key(data) -> tuple:
     """Dtype, shape and a digest of the bytes: one weight for tensors that hold the same values."""
-    raw = np.from_dlpack(data._create_view((_nbytes(data),), "uint8"))
-    return str(data.dtype), tuple(int(d) for d in data.shape), hashlib.blake2b(memoryview(raw), digest_size=16).digest()
+    digest = hashlib.blake2b(memoryview(tensor_bytes(data)), digest_size=16).digest()
+    return str(data.dtype), tuple(int(d) for d in data.shape), digest
 
 
 def _callees(func: relax.Function) -> set[str]:

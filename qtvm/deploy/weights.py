@@ -56,12 +56,28 @@ def _round_up(n: int, to: int) -> int:
 
 
 def _type_fields(dtype: str) -> tuple[int, int, int]:
-    import tvm
-
-    t = tvm.DataType(dtype)
+    t = _tvm_dtype(dtype)
     if int(t.type_code) not in TYPE_CODES:
         raise ValueError(f"weights of dtype {dtype} are not stored in the blob")
     return int(t.type_code), int(t.bits), int(t.lanes)
+
+
+def tensor_nbytes(t) -> int:
+    """The bytes a TVM tensor's elements take."""
+    dtype = _tvm_dtype(str(t.dtype))
+    return int(np.prod([int(d) for d in t.shape], dtype=np.int64)) * int(dtype.bits) * int(dtype.lanes) // 8
+
+
+def tensor_bytes(t) -> np.ndarray:
+    """A CPU tensor's memory as a flat uint8 numpy view (no copy; bfloat16 too, which numpy
+    cannot view as it is)."""
+    return np.from_dlpack(t._create_view((tensor_nbytes(t),), "uint8"))
+
+
+def _tvm_dtype(dtype: str):
+    import tvm
+
+    return tvm.DataType(dtype)
 
 
 def storable(dtype: str) -> bool:
@@ -84,7 +100,7 @@ def write_blob(weights: list, path: str | os.PathLike) -> int:
     for w in weights:
         shape = [int(d) for d in w.shape]
         code, bits, lanes = _type_fields(str(w.dtype))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * bits * lanes // 8
+        nbytes = tensor_nbytes(w)
         offset = _round_up(offset, WEIGHT_ALIGN)
         records.append((offset, nbytes))
         header += struct.pack("<QQBBHI", offset, nbytes, code, bits, lanes, len(shape))
@@ -96,7 +112,7 @@ def write_blob(weights: list, path: str | os.PathLike) -> int:
         f.write(header)
         for w, (off, nbytes) in zip(weights, records):
             f.seek(data_start + off)
-            f.write(memoryview(np.from_dlpack(w._create_view((nbytes,), "uint8"))))  # bfloat16 too, no copy
+            f.write(memoryview(tensor_bytes(w)))
         f.truncate(data_start + offset)
     return data_start + offset
 
@@ -133,14 +149,13 @@ class LoadedWeights:
         from qtvm.hugepages import NewMemoryOnHugePages
 
         data_start, self.entries = read_table(lambda off, n: ctypes.string_at(address + off, n))
-        self.nbytes = sum(e.nbytes for e in self.entries)
         # advised before the copy writes them (most fault in as 2 MiB pages: 540 of 905 MB here);
         # the runtime collapses the rest after the load (880-905 MB)
         with NewMemoryOnHugePages(written=False):
             self.tensors = [tvm.runtime.empty(e.shape, e.dtype) for e in self.entries]
         for e, tensor in zip(self.entries, self.tensors):
             src = address + data_start + e.offset
-            dst = np.from_dlpack(tensor._create_view((e.nbytes,), "uint8"))
+            dst = tensor_bytes(tensor)
             for lo in range(0, e.nbytes, COPY_CHUNK):
                 hi = min(lo + COPY_CHUNK, e.nbytes)
                 dst[lo:hi] = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(src + lo))
