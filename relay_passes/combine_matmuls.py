@@ -23,16 +23,18 @@ Combined: ``v_i = matmul(x, W_i)`` bindings of one dataflow block with the same 
 (float32) and 2-D float32 constant weights ``W_i`` (directly or through
 ``permute_dims(W, [1, 0])``, as ONNX Gemm transB imports) of the same K. The combined
 matmul and the slices sit where the first member was; each member's variable becomes its
-slice (``strided_slice`` on the last axis, which FuseOps fuses into its consumers).
+slice (``strided_slice`` on the last axis, which FuseOps fuses into its consumers). The combined
+weight is a ``concat`` of the members' constants, not a new constant: the quantizer, which runs
+next, reads it when it packs it (``quantize_weights._weight_source``), one group at a time
+(joined here, every combined weight of a model was a second copy held to the end of the packing).
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes.quantize_weights import MATMUL, _weight_source, read_weight
+from relay_passes.quantize_weights import MATMUL, _weight_source, weight_columns, weight_rows
 
 
 def _plain_matmul(call) -> bool:
@@ -40,8 +42,9 @@ def _plain_matmul(call) -> bool:
     return out is None or str(out) in ("", "void", "float32")
 
 
-def _groups(block: relax.DataflowBlock, lookup) -> list[list[tuple[relax.Var, np.ndarray]]]:
-    """[[(var, weight [K, N]), ...] per shared input, >= 2 members, in binding order]."""
+def _groups(block: relax.DataflowBlock, lookup) -> list[list[tuple[relax.Var, list]]]:
+    """[[(var, weight source), ...] per shared input, >= 2 members, in binding order]; no weight
+    is read (the combined weight is a concat the quantizer reads when it packs it)."""
     by_input: dict = {}
     for binding in block.bindings:
         value = getattr(binding, "value", None)
@@ -55,11 +58,16 @@ def _groups(block: relax.DataflowBlock, lookup) -> list[list[tuple[relax.Var, np
         source = _weight_source(value.args[1], lookup)
         if source is None:
             continue
-        k = int(source[0].shape[1 if source[1] else 0])
-        by_input.setdefault((x, k), []).append((binding.var, source))
-    # read only the weights that are combined: holding every one would double the model
-    return [[(var, read_weight(source)) for var, source in members]
-            for members in by_input.values() if len(members) >= 2]
+        by_input.setdefault((x, weight_rows(source)), []).append((binding.var, source))
+    return [members for members in by_input.values() if len(members) >= 2]
+
+
+def _weight_expr(source) -> relax.Expr:
+    """The weight a ``_weight_source`` describes, rebuilt from its constants (a later member's
+    own bindings come after the combined matmul)."""
+    parts = [relax.op.permute_dims(relax.const(t), [1, 0]) if transposed else relax.const(t)
+             for t, transposed in source]
+    return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=1)
 
 
 @mutator
@@ -85,15 +93,16 @@ class _Combiner(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         x = self.visit_expr(binding.value.args[0])
-        weight = np.concatenate([w for _, w in members], axis=1)
-        y = self.builder_.emit(relax.op.matmul(x, relax.const(weight)))
+        weight = relax.op.concat([_weight_expr(source) for _, source in members], axis=1)
+        y = self.builder_.emit(relax.op.matmul(x, self.builder_.emit(weight)))
         axis, begin = x.ty.ndim - 1, 0  # the output's last axis (x is at least 1-D)
-        for var, w in members:
-            part = relax.op.strided_slice(y, axes=[axis], begin=[begin], end=[begin + w.shape[1]])
-            begin += w.shape[1]
+        widths = [weight_columns(source) for _, source in members]
+        for (var, _), n in zip(members, widths):
+            part = relax.op.strided_slice(y, axes=[axis], begin=[begin], end=[begin + n])
+            begin += n
             new = self.builder_.emit(part) if isinstance(var, relax.DataflowVar) else self.builder_.emit_output(part)
             self.set_var_remap(var, new)
-        self.combined.append([w.shape[1] for _, w in members])
+        self.combined.append(widths)
 
 
 def combine_matmuls(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[list[int]]]:

@@ -24,7 +24,7 @@ from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter, get_type, o
 
 from qtvm import dims as dimexpr
 from qtvm.errors import QtvmError
-from qtvm.frontend.onnx import tensor_array
+from qtvm.frontend.onnx import MappedWeights, tensor_array
 from qtvm.frontend.shapes import Folder, Known, Symbols, constant_array, dim_text, is_symbolic, known_from_numpy
 
 CONTROL_FLOW = ("If", "Loop", "Scan")
@@ -92,11 +92,15 @@ class Importer(ONNXGraphImporter):
         # past + seq), carried through ops that only move or widen values (``_carry_index_top``)
         self.index_tops: dict[str, tirx.PrimExpr] = {}
         self._value_funcs: dict[tuple, tvm.ir.GlobalVar] = {}
+        self.mapped = MappedWeights()
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
     def _parse_array(self, tensor_proto: onnx.TensorProto):
-        """An initializer as TVM's tensor, read from its external file where it has one
-        (``load_onnx(lazy=True)``: the proto holds no copy)."""
+        """An initializer as TVM's tensor: a view of its external file where it has one and can
+        (``MappedWeights``), else read from it (``load_onnx(lazy=True)``: the proto holds no copy)."""
+        mapped = self.mapped.array(tensor_proto)
+        if mapped is not None:
+            return tvm.runtime.from_dlpack(mapped)
         return tvm.runtime.tensor(tensor_array(tensor_proto).reshape(tuple(tensor_proto.dims)))
 
     # -- lookups used by converters ------------------------------------------------

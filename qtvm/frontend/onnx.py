@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from qtvm.errors import QtvmError
@@ -70,6 +73,43 @@ def _locate_external_data(model: onnx.ModelProto, base: Path) -> None:
         if t.data_location == onnx.TensorProto.EXTERNAL and not any(
                 e.key == "location" and os.path.isabs(e.value) for e in t.external_data):
             load_external_data_for_tensor(t, str(base))
+
+
+#: ONNX element types a file holds exactly as numpy does in memory (on a little-endian host)
+_MAPPABLE = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT8,
+             onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.INT32,
+             onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64}
+MAP_ALIGN = 64  # TVM takes memory it is handed only at 64-byte alignment
+
+
+class MappedWeights:
+    """External initializers as copy-on-write views of their files (one mapping per file).
+
+    A compile reads each float weight once, to pack it: read through a mapping, its pages are
+    the file's, which the kernel reclaims under pressure, not memory the compile holds (a copy
+    held every float weight until the packing ended: the model's size on top of the peak).
+    Where a tensor cannot be a view (not 64-byte aligned in its file, a type numpy does not
+    lay out as ONNX does, a big-endian host) ``array`` answers None and the caller copies it."""
+
+    def __init__(self):
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def array(self, t: onnx.TensorProto):
+        if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in _MAPPABLE or sys.byteorder != "little":
+            return None
+        info = {e.key: e.value for e in t.external_data}
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+        count = math.prod(t.dims)
+        offset, nbytes = int(info.get("offset", 0)), count * dtype.itemsize
+        if nbytes == 0 or offset % MAP_ALIGN or int(info.get("length", nbytes)) != nbytes:
+            return None
+        path = info["location"]
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if offset + nbytes > len(self._maps[path]):
+            return None  # a short file: the copy's read names it
+        return np.frombuffer(self._maps[path], dtype, count, offset).reshape(tuple(t.dims))
 
 
 def tensor_array(t: onnx.TensorProto):

@@ -157,3 +157,55 @@ def test_lazy_load_leaves_external_weights_in_their_file(tmp_path):
     (tmp_path / "mm.onnx.data").rename(tmp_path / "elsewhere.data")
     with pytest.raises(QtvmError, match="external weight files are missing: mm.onnx.data"):
         load_onnx(tmp_path / "mm.onnx", lazy=True)
+
+
+def _save_with_external_data_at(model: onnx.ModelProto, path, pads: dict[str, int]) -> None:
+    """``model`` saved with every initializer in ``path``.data, each after ``pads[name]`` bytes
+    of padding (unaligned offsets: a writer that packs tensors back to back)."""
+    from onnx.external_data_helper import set_external_data
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    with open(f"{path}.data", "wb") as f:
+        for t in model.graph.initializer:
+            f.write(b"\0" * pads.get(t.name, 0))
+            set_external_data(t, f"{path.name}.data", offset=f.tell(), length=len(t.raw_data))
+            f.write(t.raw_data)
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("quant", ["none", "int4-g128"])
+def test_external_weights_are_mapped_where_aligned_and_copied_elsewhere(tmp_path, quant):
+    """The import views a 64-byte-aligned external weight in its file (pages the kernel may
+    reclaim, not a copy the compile holds) and copies one it cannot view; either way the
+    artefact computes what the model with its weights inline does, bit for bit."""
+    import mmap
+
+    import numpy as np
+
+    from qtvm.frontend.importer import Importer
+    from qtvm.pipeline import compile_model
+    from qtvm.runtime import load
+    from tests.conftest import mlp_model
+
+    model = mlp_model()
+    onnx.save(model, str(tmp_path / "inline.onnx"))
+    path = tmp_path / "ext.onnx"
+    _save_with_external_data_at(model, path, {"w1": 64, "b1": 4, "w2": 8})  # w1 at 64; b1, w2 unaligned
+    lazy = load_onnx(path, lazy=True)
+    arrays = {t.name: Importer(lazy).mapped.array(t) for t in lazy.graph.initializer}
+    assert arrays["b1"] is None and arrays["w2"] is None
+    w1 = next(t for t in model.graph.initializer if t.name == "w1")
+    np.testing.assert_array_equal(arrays["w1"], onnx.numpy_helper.to_array(w1))
+    base = arrays["w1"]
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)  # the file's pages, not a copy
+    x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
+    outs = []
+    for name in ("inline", "ext"):
+        artefact = compile_model(tmp_path / f"{name}.onnx", tmp_path / f"{name}.so", quant=quant).path
+        outs.append(load(artefact).run({"x": x}))
+    for key in outs[0]:
+        np.testing.assert_array_equal(outs[1][key], outs[0][key])

@@ -157,3 +157,30 @@ def test_bcq_gemv_runs_the_lut16_kernel(preset):
         y, _ = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
         ref = session.run(None, {"x": x})[0]
         assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["int4-g128", "int3-g32", "e0m4-g64", "bcq3-g128"])
+def test_a_weight_quantized_in_column_blocks_is_the_whole_weight_quantized(preset, monkeypatch):
+    """A format's quantize holds 3-15x its input; a weight is quantized a block of columns at a
+    time, which must give the arrays of the whole (parts: a weight, a transposed one, joined as
+    ``combine_matmuls`` joins them; blocks that split a part and N not a multiple of them)."""
+    import relay_passes.quantize_weights as qw
+
+    rng = np.random.default_rng(4)
+    k = 200  # not a multiple of any group
+    w1 = rng.standard_normal((k, 150)).astype(np.float32)
+    w2_t = (3 * rng.standard_normal((77, k))).astype(np.float32)  # [N, K], as Gemm transB stores it
+    source = [(tvm.runtime.tensor(w1), False), (tvm.runtime.tensor(w2_t), True)]
+    whole = np.concatenate([w1, w2_t.T], axis=1)
+    np.testing.assert_array_equal(qw.read_weight(source), whole)
+    np.testing.assert_array_equal(qw.read_weight(source, 100, 180), whole[:, 100:180])
+    fmt = get_format(preset)
+    want = fmt.quantize(whole)
+    monkeypatch.setattr(qw, "QUANTIZE_BLOCK_BYTES", 4 * k * 64)  # 64-column blocks: 4 of them
+    reads, read = [], qw.read_weight
+    monkeypatch.setattr(qw, "read_weight", lambda *args: reads.append(args[1:]) or read(*args))
+    got = qw.quantize_source(fmt, source)
+    assert reads == [(0, 64), (64, 128), (128, 192), (192, 227)]
+    assert (got.k, got.n) == (k, 227) and got.arrays.keys() == want.arrays.keys()
+    for name in want.arrays:
+        np.testing.assert_array_equal(got.arrays[name], want.arrays[name], err_msg=name)
