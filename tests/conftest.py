@@ -48,6 +48,25 @@ def matmul_model(k: int, n: int, seed: int = 0) -> tuple[onnx.ModelProto, np.nda
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), w
 
 
+def save_with_external_data(model: onnx.ModelProto, path, pads: dict[str, int] | None = None) -> None:
+    """``model`` saved with every initializer in ``path``.data: each after ``pads[name]`` bytes
+    of padding (unaligned offsets: a writer that packs tensors back to back), or by default
+    each at a multiple of 64 bytes (as torch.onnx's exporters write them)."""
+    from onnx.external_data_helper import set_external_data
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    with open(f"{path}.data", "wb") as f:
+        for t in model.graph.initializer:
+            if not t.HasField("raw_data"):
+                continue
+            f.write(b"\0" * (pads.get(t.name, 0) if pads is not None else -f.tell() % 64))
+            set_external_data(t, f"{pathlib.Path(path).name}.data", offset=f.tell(), length=len(t.raw_data))
+            f.write(t.raw_data)
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+    onnx.save(model, str(path))
+
+
 def mlp_model(k: int = 100, hidden: int = 70, n: int = 37, seed: int = 0) -> onnx.ModelProto:
     """x[batch, k] -> Gemm(transB=1, bias) -> Relu -> MatMul -> y; plus x @ x^T-style computed matmul."""
     rng = np.random.default_rng(seed)

@@ -45,7 +45,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.errors import QtvmError
-from qtvm.frontend.onnx import tensor_array
+from qtvm.frontend.onnx import MappedWeights, tensor_array
 from qtvm.formats.blockwise import BlockQuantized, PackedCodes, unpack_low_first
 
 MARKER_PREFIX = "qtvm_prequantized_"
@@ -88,6 +88,7 @@ class _Lowering:
         self.inits = {t.name: t for t in self.graph.initializer}
         self.out = LoweredModel(self.model)
         self._arrays: dict[str, np.ndarray] = {}
+        self._mapped = MappedWeights()  # stored codes stay the file's pages until re-laid
         # Names read inside If/Loop bodies: such a tensor has uses this pass cannot rewrite.
         self.in_subgraphs = {name for node in self.graph.node for g in _subgraphs(node) for name in _reads(g)}
 
@@ -96,7 +97,8 @@ class _Lowering:
         if name not in self.inits:
             return None
         if name not in self._arrays:
-            self._arrays[name] = tensor_array(self.inits[name])
+            mapped = self._mapped.array(self.inits[name])
+            self._arrays[name] = mapped if mapped is not None else tensor_array(self.inits[name])
         return self._arrays[name]
 
     def consumers(self, tensor: str) -> list[tuple[onnx.NodeProto, int]]:

@@ -159,22 +159,6 @@ def test_lazy_load_leaves_external_weights_in_their_file(tmp_path):
         load_onnx(tmp_path / "mm.onnx", lazy=True)
 
 
-def _save_with_external_data_at(model: onnx.ModelProto, path, pads: dict[str, int]) -> None:
-    """``model`` saved with every initializer in ``path``.data, each after ``pads[name]`` bytes
-    of padding (unaligned offsets: a writer that packs tensors back to back)."""
-    from onnx.external_data_helper import set_external_data
-
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    with open(f"{path}.data", "wb") as f:
-        for t in model.graph.initializer:
-            f.write(b"\0" * pads.get(t.name, 0))
-            set_external_data(t, f"{path.name}.data", offset=f.tell(), length=len(t.raw_data))
-            f.write(t.raw_data)
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
-    onnx.save(model, str(path))
-
-
 @pytest.mark.parametrize("quant", ["none", "int4-g128"])
 def test_external_weights_are_mapped_where_aligned_and_copied_elsewhere(tmp_path, quant):
     """The import views a 64-byte-aligned external weight in its file (pages the kernel may
@@ -187,12 +171,12 @@ def test_external_weights_are_mapped_where_aligned_and_copied_elsewhere(tmp_path
     from qtvm.frontend.importer import Importer
     from qtvm.pipeline import compile_model
     from qtvm.runtime import load
-    from tests.conftest import mlp_model
+    from tests.conftest import mlp_model, save_with_external_data
 
     model = mlp_model()
     onnx.save(model, str(tmp_path / "inline.onnx"))
     path = tmp_path / "ext.onnx"
-    _save_with_external_data_at(model, path, {"w1": 64, "b1": 4, "w2": 8})  # w1 at 64; b1, w2 unaligned
+    save_with_external_data(model, path, {"w1": 64, "b1": 4, "w2": 8})  # w1 at 64; b1, w2 unaligned
     lazy = load_onnx(path, lazy=True)
     arrays = {t.name: Importer(lazy).mapped.array(t) for t in lazy.graph.initializer}
     assert arrays["b1"] is None and arrays["w2"] is None

@@ -88,6 +88,30 @@ def test_matmul_nbits_matches_onnxruntime(nbits_artefact):
     assert_matches_ort(module, ort_session(model), 70)
 
 
+def test_matmul_nbits_weights_in_an_external_file_are_read_through_its_pages(tmp_path):
+    """External codes, scales and zero points are views of the file until re-laid (the stored
+    bytes never become memory the compile holds); the artefact matches onnxruntime."""
+    import mmap
+
+    from qtvm import runtime
+    from qtvm.frontend.onnx import load_onnx
+    from qtvm.frontend.quantized import _Lowering
+    from qtvm.pipeline import compile_model
+    from tests.conftest import save_with_external_data
+
+    layers = nbits_layers()
+    model = model_of(layers, [("x", ["batch", 70])], [(node.name, ["batch", 37]) for node, _, _ in layers])
+    save_with_external_data(model, tmp_path / "ext.onnx")
+    lowering = _Lowering(load_onnx(tmp_path / "ext.onnx", lazy=True), in_place=True)
+    codes = lowering.array("b4_g32_packed_B")
+    assert isinstance(codes.base, np.ndarray) and isinstance(codes.base.base, memoryview)
+    assert isinstance(codes.base.base.obj, mmap.mmap)
+    result = compile_model(tmp_path / "ext.onnx", tmp_path / "ext.so", TARGET, "none")
+    assert result.metadata["prequantized_matmuls"] == len(layers)
+    assert_matches_ort(runtime.load(result.path), ort.InferenceSession(
+        str(tmp_path / "ext.onnx"), providers=["CPUExecutionProvider"]), 70)
+
+
 def test_matmul_nbits_equals_the_operator_definition(nbits_artefact):
     """The same layers against the weights computed from the codes by the spec (float64)."""
     model, layers, module, _ = nbits_artefact
