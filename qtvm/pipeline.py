@@ -370,8 +370,8 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     os.close(fd)
     try:
         _build_and_export(mod, target, tmp, toolchain, step)
-        gc.collect()  # the executable and its weights, before the KV check below loads the artefact
         if meta.get("kv_step"):
+            gc.collect()  # the executable and its weights, before the check loads the artefact
             problem, last_problem, step_error = (_check_kv_functions(tmp, meta) if toolchain is None
                                                  and _runs_here(target) else ("skip", None, None))
             if step_error is not None and not problem and _held_in_half(meta):
