@@ -33,6 +33,11 @@ import numpy as np
 from qtvm.errors import QtvmError
 
 FP32_TOLERANCE = 1e-4
+#: a half precision model's tolerance, in its type's epsilon: every layer's output is rounded to
+#: it, so sums in another order move later layers by a few of its last bits (a 2-layer float16
+#: LLaMA export, weights unquantized: 3-9e-4 of the largest logit against onnxruntime)
+HALF_EPSILONS = 4
+HALF_TYPES = {10: ("float16", 2.0 ** -10), 16: ("bfloat16", 2.0 ** -7)}  # ONNX type -> (name, epsilon)
 INT8_ACT_FLOOR = 1e-3
 # MiniLM, int2/int3/bcq3 at 9 bindings: the own error was at most 1.0x the flip noise of its
 # binding with these four jitters (one jitter at a time: up to 2.6x), at most 0.7x the largest.
@@ -387,6 +392,11 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     if quantizers:
         ref_model = _jittered_quantizers(ref_model, quantizers)
         reference, default_tol = reference + QDQ_NOTE, None
+    half = _half_precision(model)
+    rule = ""
+    if half is not None and default_tol == FP32_TOLERANCE:
+        default_tol = max(FP32_TOLERANCE, HALF_EPSILONS * half[1])
+        rule = f"{HALF_EPSILONS} x {half[0]}'s epsilon (a {half[0]} model rounds every layer's output to it)"
     float_sess = _session(model, model_path)  # the file as loaded: onnxruntime reads it itself
     ref_sess = float_sess if ref_model is model else _session(ref_model)
     from qtvm.reference import JITTER_INPUT
@@ -394,7 +404,8 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     jitter_inputs = [(i.name, i.shape[0] if i.shape else 0) for i in ref_sess.get_inputs()
                      if i.name.startswith(JITTER_INPUT)]
     no_jitter = {name: np.ones(k, np.float32) if k else np.zeros((), np.float32) for name, k in jitter_inputs}
-    report = CheckReport(tolerance if tolerance is not None else default_tol, reference)
+    report = CheckReport(tolerance if tolerance is not None else default_tol, reference,
+                         rule=rule if tolerance is None else "")
     tied = tied_dims(meta)
     dims = [d for d in _symbolic_dims(module.inputs) if d not in tied]
     rng_jitter = np.random.default_rng(seed + 1)
@@ -432,6 +443,16 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
 
 QDQ_NOTE = ("; the model's own activation quantizers (QuantizeLinear, DynamicQuantizeLinear) round too, so "
             "a last-bit difference upstream can move a rounding step: the tolerance is measured as for int8")
+
+
+def _half_precision(model) -> tuple[str, float] | None:
+    """(type name, epsilon) of the coarsest half precision float type ``model`` stores or casts
+    to (its inputs, outputs, initializers, Cast nodes), None for a float32 model."""
+    types = {v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+    types |= {t.data_type for t in model.graph.initializer}
+    types |= {a.i for n in model.graph.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"}
+    found = [HALF_TYPES[t] for t in types if t in HALF_TYPES]
+    return max(found, key=lambda h: h[1]) if found else None
 
 
 def _activation_quantizers(model) -> list[int]:

@@ -31,7 +31,7 @@ def _cmd_compile(args) -> int:
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
     if "quantized_matmuls" in meta:
-        sizes = (f"({meta['activations']} activations): {meta['float_weight_bytes'] / 1e6:.2f} MB fp32 -> "
+        sizes = (f"({meta['activations']} activations): {meta['float_weight_bytes'] / 1e6:.2f} MB float -> "
                  f"{meta['packed_bytes'] / 1e6:.2f} MB packed")
         pre = meta.get("prequantized_matmuls", 0)
         if not pre:

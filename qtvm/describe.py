@@ -125,7 +125,7 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     if "quantized_matmuls" in meta:
         packed, floats = meta.get("packed_bytes", 0), meta.get("float_weight_bytes", 0)
         bits = 32.0 * packed / floats if floats else float("nan")
-        rows.append(("weights", f"{meta['quantized_matmuls']} packed matmuls, {_size(floats)} fp32 -> "
+        rows.append(("weights", f"{meta['quantized_matmuls']} packed matmuls, {_size(floats)} float -> "
                                 f"{_size(packed)} packed ({bits:.3f} bits/weight), {meta.get('activations', 'fp32')} "
                                 f"activations"))
         if meta.get("prequantized_matmuls"):

@@ -67,12 +67,17 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
             direct_reads[src.name] = direct_reads.get(src.name, 0) + 1
     made: dict[tuple, str] = {}
     quantized: dict[tuple, object] = {}  # (name, transposed) -> QuantizedTensor
-    rounder = _Rounder(out, jitter) if int8_facts is not None else None
+    before: dict[int, list] = {}  # graph index -> nodes to insert ahead of it
+    after: dict[int, list] = {}
+    rounder = _Rounder(out, before, jitter) if int8_facts is not None else None
     for src in sources:
+        if src.tensor.data_type != onnx.TensorProto.FLOAT:
+            _in_float32(src, before, after)
         trans_b = src.node.op_type == "Gemm" and _trans_b(src.node)
         key = (src.name, src.transposed, trans_b)  # the quantized [K, N] weight, the layout the node reads
         if (src.name, src.transposed) not in quantized:
-            kn = src.array.T if src.transposed else src.array
+            kn = src.array.astype(np.float32, copy=False)
+            kn = kn.T if src.transposed else kn
             quantized[src.name, src.transposed] = fmt.quantize(np.ascontiguousarray(kn), name=src.name)
         qt = quantized[src.name, src.transposed]
         stacked = rounder.round_input(src.index, src.node, qt, int8_facts) if rounder is not None else None
@@ -94,13 +99,34 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
                 made[key] = stored.name = f"{src.name}.qtvm_dequantized{len(made)}"
                 out.graph.initializer.append(stored)
         src.node.input[1] = made[key]
-    if rounder is not None:
-        rounder.insert_nodes()
+    if before or after:
+        nodes = []
+        for index, node in enumerate(out.graph.node):
+            nodes += before.get(index, []) + [onnx.NodeProto()]
+            nodes[-1].CopyFrom(node)
+            nodes += after.get(index, [])
+        del out.graph.node[:]
+        out.graph.node.extend(nodes)
     used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
     kept = [t for t in out.graph.initializer if t.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
     return out
+
+
+def _in_float32(src, before: dict, after: dict) -> None:
+    """A half precision matmul as qtvm computes it (``relay_passes.fp32_accumulate``): float32
+    inputs (the weight becomes a float32 initializer here), a float32 product, cast back."""
+    node, low = src.node, src.tensor.data_type
+    ins = [0, 2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else [0]
+    for i in ins:
+        wide = f"{node.input[i]}.qtvm_float32_{src.index}"
+        before.setdefault(src.index, []).append(onnx.helper.make_node(
+            "Cast", [node.input[i]], [wide], name=wide, to=onnx.TensorProto.FLOAT))
+        node.input[i] = wide
+    y = node.output[0]
+    node.output[0] = f"{y}.qtvm_float32"
+    after.setdefault(src.index, []).append(onnx.helper.make_node("Cast", [node.output[0]], [y], name=f"{y}.qtvm_cast", to=low))
 
 
 def _trans_b(node: onnx.NodeProto) -> bool:
@@ -110,22 +136,13 @@ def _trans_b(node: onnx.NodeProto) -> bool:
 class _Rounder:
     """Emits, in front of a matmul, the int8 rounding of its input (``schedules.facts.ActRounding``)."""
 
-    def __init__(self, model: onnx.ModelProto, jitter: bool = False):
+    def __init__(self, model: onnx.ModelProto, before: dict, jitter: bool = False):
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
         if opset < 11:
             raise UnmodelledRounding(f"opset {opset} has no Round/Pad with tensor inputs (needs 11)")
         self.model, self.opset, self.count, self.jitter = model, opset, 0, jitter
-        self.before: dict[int, list[onnx.NodeProto]] = {}  # graph index -> nodes to insert ahead of it
+        self.before = before  # graph index -> nodes to insert ahead of it (the caller inserts them)
         self.at = -1
-
-    def insert_nodes(self) -> None:
-        nodes = []
-        for index, node in enumerate(self.model.graph.node):
-            nodes += self.before.get(index, [])
-            nodes.append(onnx.NodeProto())
-            nodes[-1].CopyFrom(node)
-        del self.model.graph.node[:]
-        self.model.graph.node.extend(nodes)
 
     def round_input(self, index: int, node: onnx.NodeProto, qt, facts) -> np.ndarray | None:
         """Round ``node``'s input as the target's kernels for ``qt`` do. Returns the stacked

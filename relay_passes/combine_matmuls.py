@@ -55,7 +55,7 @@ def _groups(block: relax.DataflowBlock, lookup) -> list[list[tuple[relax.Var, li
         if not isinstance(x, relax.Var) or not isinstance(ty, relax.TensorType) or ty.dtype != "float32" \
                 or ty.ndim < 1:
             continue
-        source = _weight_source(value.args[1], lookup)
+        source = _weight_source(value.args[1], lookup, widened=True)
         if source is None:
             continue
         by_input.setdefault((x, weight_rows(source)), []).append((binding.var, source))
@@ -65,9 +65,13 @@ def _groups(block: relax.DataflowBlock, lookup) -> list[list[tuple[relax.Var, li
 def _weight_expr(source) -> relax.Expr:
     """The weight a ``_weight_source`` describes, rebuilt from its constants (a later member's
     own bindings come after the combined matmul)."""
-    parts = [relax.op.permute_dims(relax.const(t), [1, 0]) if transposed else relax.const(t)
-             for t, transposed in source]
+    parts = [_part(t, transposed) for t, transposed in source]
     return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=1)
+
+
+def _part(tensor, transposed: bool) -> relax.Expr:
+    part = relax.op.permute_dims(relax.const(tensor), [1, 0]) if transposed else relax.const(tensor)
+    return part if str(tensor.dtype) == "float32" else relax.op.astype(part, "float32")  # a half precision model
 
 
 @mutator

@@ -36,6 +36,15 @@ class _Upcast(PyExprMutator):
     def __init__(self, mod):
         super().__init__(mod)
         self.changed = 0
+        self.wide: dict = {}  # expr -> its float32 copy in the current block (q, k and v share x's)
+
+    def visit_dataflow_block_(self, block):
+        self.wide = {}
+        return super().visit_dataflow_block_(block)
+
+    def visit_binding_block_(self, block):
+        self.wide = {}
+        return super().visit_binding_block_(block)
 
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
@@ -57,7 +66,11 @@ class _Upcast(PyExprMutator):
 
     def _wide(self, expr):
         """``expr`` as float32 if it is a float16/bfloat16 tensor, else as it is."""
-        return self.builder_.emit(relax.op.astype(expr, "float32")) if _dtype(expr) in LOW else expr
+        if _dtype(expr) not in LOW:
+            return expr
+        if expr not in self.wide:
+            self.wide[expr] = self.builder_.emit(relax.op.astype(expr, "float32"))
+        return self.wide[expr]
 
 
 def fp32_accumulate(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:

@@ -26,6 +26,8 @@ from schedules import schedule_kernel
 MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 CONCAT = tvm.ir.Op.get("relax.concat")
+ASTYPE = tvm.ir.Op.get("relax.astype")
+HALF = ("float16", "bfloat16")  # weights quantized from these too, read as float32
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
 
 
@@ -64,11 +66,13 @@ class QuantizeReport:
         return sum(layer.float_bytes for layer in self.layers)
 
 
-def _weight_source(expr, lookup):
+def _weight_source(expr, lookup, widened: bool = False, dtypes: tuple = ("float32",)):
     """The parts of ``expr`` where it is a [K, N] float32 weight made of constants, else None;
     nothing is read. A part is (constant tensor, transposed): a constant, a constant through 2-D
     permute_dims (as ONNX Gemm transB imports), and the parts of a concat of such along N (as
-    ``relay_passes.combine_matmuls`` joins weights, read only when packed)."""
+    ``relay_passes.combine_matmuls`` joins weights, read only when packed). ``widened``: also a
+    float16/bfloat16 weight through ``astype`` to float32, as ``fp32_accumulate`` gives a half
+    precision model's matmuls their weights (read as float32)."""
     if isinstance(expr, relax.Var):
         bound = lookup(expr)
         if bound is None:
@@ -76,18 +80,23 @@ def _weight_source(expr, lookup):
         expr = bound
     if isinstance(expr, tvm.ir.expr.Constant):
         t = expr.value
-        ok = isinstance(t, tvm.runtime.Tensor) and len(t.shape) == 2 and str(t.dtype) == "float32"
+        ok = isinstance(t, tvm.runtime.Tensor) and len(t.shape) == 2 and str(t.dtype) in dtypes
         return [(t, False)] if ok else None
-    if isinstance(expr, relax.Call) and expr.op == PERMUTE:
-        inner = _weight_source(expr.args[0], lookup)
+    if not isinstance(expr, relax.Call):
+        return None
+    if expr.op == PERMUTE:
+        inner = _weight_source(expr.args[0], lookup, widened, dtypes)
         axes = expr.attrs.axes
         if inner is not None and len(inner) == 1 and (axes is None or [int(a) for a in axes] == [1, 0]):
             return [(inner[0][0], not inner[0][1])]
-    if isinstance(expr, relax.Call) and expr.op == CONCAT and int(expr.attrs.axis) in (1, -1):
+    if expr.op == CONCAT and int(expr.attrs.axis) in (1, -1):
         fields = lookup(expr.args[0]) if isinstance(expr.args[0], relax.Var) else expr.args[0]
-        parts = [_weight_source(e, lookup) for e in fields.fields] if isinstance(fields, relax.Tuple) else [None]
+        parts = [_weight_source(e, lookup, widened, dtypes) for e in fields.fields] \
+            if isinstance(fields, relax.Tuple) else [None]
         if all(p is not None for p in parts) and len({weight_rows(p) for p in parts}) == 1:
             return [part for p in parts for part in p]
+    if widened and expr.op == ASTYPE and str(expr.attrs.dtype) == "float32" and dtypes == ("float32",):
+        return _weight_source(expr.args[0], lookup, False, HALF)
     return None
 
 
@@ -111,10 +120,28 @@ def read_weight(source, lo: int = 0, hi: int | None = None) -> np.ndarray:
         n = int(tensor.shape[0 if transposed else 1])
         a, b = max(lo, start) - start, min(hi, start + n) - start
         if a < b:
-            view = np.from_dlpack(tensor)
-            arrays.append(view[a:b].T if transposed else view[:, a:b])
+            view = _float_view(tensor)
+            arrays.append(_as_float32(view[a:b].T if transposed else view[:, a:b]))
         start += n
     return arrays[0].copy(order="C") if len(arrays) == 1 else np.concatenate(arrays, axis=1)
+
+
+def _float_view(tensor) -> np.ndarray:
+    """A CPU tensor's elements without a copy; bfloat16 as its uint16 bits (numpy has no bfloat16)."""
+    if str(tensor.dtype) == "bfloat16":
+        return np.from_dlpack(tensor._create_view(tuple(int(d) for d in tensor.shape), "uint16"))
+    return np.from_dlpack(tensor)
+
+
+def _as_float32(a: np.ndarray) -> np.ndarray:
+    if a.dtype == np.uint16:  # bfloat16 bits: the high half of a float32
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def source_nbytes(source) -> int:
+    """The bytes a ``_weight_source``'s constants hold (2 a weight for a half precision model)."""
+    return sum(int(np.prod([int(d) for d in t.shape])) * tvm.DataType(str(t.dtype)).bits // 8 for t, _ in source)
 
 
 #: float bytes quantized at a time: a format's quantize holds several times its input (int4 3x,
@@ -162,12 +189,12 @@ class _Rewriter(PyExprMutator):
             if perm is not None:  # act-order: x @ W == x[..., perm] @ W_kernel
                 x = self.builder_.emit(relax.op.take(x, relax.const(perm), axis=-1))
             return self._emit_qmatmul(x, qt)
-        source = _weight_source(call.args[1], self.lookup_binding) if self.fmt is not None else None
+        source = _weight_source(call.args[1], self.lookup_binding, widened=True) if self.fmt is not None else None
         if source is None or x.ty.dtype != "float32" or x.ty.ndim < 1:
             self.report.float_matmuls += 1
             return call
         qt = quantize_source(self.fmt, source)
-        self.report.layers.append(QuantizedMatmul.of(qt, 4 * qt.k * qt.n))
+        self.report.layers.append(QuantizedMatmul.of(qt, source_nbytes(source)))
         return self._emit_qmatmul(x, qt)
 
     def _kernel(self, kind: str, fmt: QuantFormat, make, *shape) -> tvm.ir.GlobalVar:

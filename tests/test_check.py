@@ -371,3 +371,56 @@ def test_large_models_reach_onnxruntime_as_files(tmp_path, monkeypatch):
     assert sources == [model, None]  # the file itself, then the dequantized reference ...
     assert [kw.get("save_as_external_data") for kw in saved] == [True]  # ... through a temporary file
     assert [(r.err_own, r.err_vs_float) for r in after.rows] == [(r.err_own, r.err_vs_float) for r in before.rows]
+
+
+def _half_mlp(seed: int, k: int = 200, hidden: int = 72, n: int = 40) -> onnx.ModelProto:
+    """A float16 model: Gemm(transB, bias) -> Relu -> MatMul, q/k-like pair sharing the input
+    (K = 200: not a multiple of the group; N = 40, 72: not of the vector width)."""
+    rng = np.random.default_rng(seed)
+    f16 = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float16)  # noqa: E731
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+             helper.make_node("Relu", ["h"], ["hr"]),
+             helper.make_node("MatMul", ["hr", "w2"], ["y"]),
+             helper.make_node("MatMul", ["x", "w3"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "half", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", n]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT16, ["batch", hidden])],
+        [numpy_helper.from_array(f16(hidden, k), "w1"), numpy_helper.from_array(f16(hidden), "b1"),
+         numpy_helper.from_array(f16(hidden, n), "w2"), numpy_helper.from_array(f16(k, hidden), "w3")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8"])
+def test_half_precision_models_are_quantized_and_checked(tmp_path, act):
+    """A float16 model's weights are quantized (read as float32; they were left float and
+    called "not a constant") and checked against onnxruntime on the same weights dequantized,
+    computed as qtvm does (float32 inputs, product cast back), at float16's tolerance; a model
+    of other weights still fails."""
+    from qtvm.formats import PRESETS
+    from qtvm.runtime import load
+
+    model, other, art = tmp_path / "m.onnx", tmp_path / "other.onnx", tmp_path / "m.so"
+    onnx.save(_half_mlp(0), str(model))
+    onnx.save(_half_mlp(1), str(other))
+    run = _cli("compile", model, "--quant", "int4-g128", "--act", act, "-o", art)
+    assert run.returncode == 0, run.stderr
+    meta = load(art).metadata
+    assert meta["quantized_matmuls"] == 3 and "left in float" not in run.stdout + run.stderr
+    assert meta["float_weight_bytes"] == 2 * (72 * 200 + 72 * 40 + 200 * 72)  # float16: 2 bytes a weight
+    if act == "fp32":  # the numpy reference of the format, on the weights read as float32
+        weights = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in _half_mlp(0).graph.initializer}
+        deq = lambda w: PRESETS["int4-g128"].quantize(w).dequantize()  # noqa: E731
+        x = np.random.default_rng(2).standard_normal((3, 200)).astype(np.float16)
+        h = np.maximum(((x.astype(np.float32) @ deq(weights["w1"].T)) + weights["b1"]).astype(np.float16), 0)
+        want = {"y": (h.astype(np.float32) @ deq(weights["w2"])).astype(np.float16),
+                "z": (x.astype(np.float32) @ deq(weights["w3"])).astype(np.float16)}
+        got = load(art).run({"x": x})
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name].astype(np.float32), w.astype(np.float32), rtol=2e-3, atol=2e-3)
+    run = _cli("check", model, art)
+    assert run.returncode == 0 and "OK:" in run.stdout, run.stdout + run.stderr
+    if act == "fp32":
+        assert "4 x float16's epsilon" in run.stdout
+    run = _cli("check", other, art)
+    assert run.returncode == 1 and "MISMATCH" in run.stdout

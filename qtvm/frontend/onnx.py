@@ -14,6 +14,8 @@ import onnx
 from qtvm.errors import QtvmError
 
 WEIGHT_OPS = ("MatMul", "Gemm")
+#: weight types quantized (half precision read as float32: relay_passes.quantize_weights)
+WEIGHT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # Custom-domain ops qtvm reads itself before TVM's importer (qtvm/frontend/quantized.py).
 QTVM_READS = {("com.microsoft", "MatMulNBits")}
 
@@ -257,7 +259,7 @@ def _dims(value_info) -> list:
 
 @dataclass
 class WeightSource:
-    """Where a MatMul/Gemm's constant weight comes from: the 2-D float32 tensor ``array``
+    """Where a MatMul/Gemm's constant weight comes from: the 2-D float tensor ``array``
     (an initializer's or a Constant node's value, ``name``), stored [N, K] when
     ``transposed`` (Gemm transB, or a Transpose node on the way), else [K, N]."""
 
@@ -274,7 +276,7 @@ class WeightSource:
 
 
 def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
-    """Every MatMul/Gemm whose B is a constant 2-D float32 weight, directly or through
+    """Every MatMul/Gemm whose B is a constant 2-D float weight (``WEIGHT_TYPES``), directly or through
     Identity and 2-D Transpose nodes (dynamo exports a tied lm_head as MatMul(x,
     Transpose(W))): the rule relay_passes.quantize_weights applies to the imported graph,
     so what is summarized, quantized and dequantized for reference is the same set."""
@@ -299,7 +301,7 @@ def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
             else:
                 break
         tensor = arrays.get(name)
-        if tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT:
+        if tensor is not None and len(tensor.dims) == 2 and tensor.data_type in WEIGHT_TYPES:
             out.append(WeightSource(node, index, name, tensor, transposed))
     return out
 

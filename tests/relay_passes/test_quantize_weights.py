@@ -184,3 +184,24 @@ def test_a_weight_quantized_in_column_blocks_is_the_whole_weight_quantized(prese
     assert (got.k, got.n) == (k, 227) and got.arrays.keys() == want.arrays.keys()
     for name in want.arrays:
         np.testing.assert_array_equal(got.arrays[name], want.arrays[name], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_weights_are_read_as_float32(dtype):
+    """A half precision model's matmul takes its weight through astype to float32
+    (fp32_accumulate): the weight is found through it and read exactly, transposed parts too."""
+    from relay_passes.quantize_weights import _weight_source, read_weight
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 40)).astype(np.float32)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16: the high half (truncated)
+    exact = (bits.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else w.astype(np.float16).astype(np.float32)
+    tensor = tvm.runtime.empty((40, 48), dtype)  # [N, K]: read through permute_dims
+    raw = bits.T.copy() if dtype == "bfloat16" else w.astype(np.float16).T.copy()
+    tensor.copyfrom(raw) if dtype == "float16" else tensor._create_view((40, 48), "uint16").copyfrom(raw)
+    weight = relax.op.astype(relax.op.permute_dims(relax.const(tensor), [1, 0]), "float32")
+    assert _weight_source(weight, lambda v: None) is None  # only where the caller packs it
+    source = _weight_source(weight, lambda v: None, widened=True)
+    assert source is not None and source[0][1]
+    np.testing.assert_array_equal(read_weight(source), exact)
+    np.testing.assert_array_equal(read_weight(source, 8, 30), exact[:, 8:30])
