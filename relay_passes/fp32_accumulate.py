@@ -39,12 +39,18 @@ class _Upcast(PyExprMutator):
         self.wide: dict = {}  # expr -> its float32 copy in the current block (q, k and v share x's)
 
     def visit_dataflow_block_(self, block):
-        self.wide = {}
-        return super().visit_dataflow_block_(block)
+        return self._in_scope(super().visit_dataflow_block_, block)
 
     def visit_binding_block_(self, block):
-        self.wide = {}
-        return super().visit_binding_block_(block)
+        return self._in_scope(super().visit_binding_block_, block)
+
+    def _in_scope(self, visit, block):
+        """A block's copies are its own (an If branch's blocks sit inside an outer one's binding)."""
+        outer, self.wide = self.wide, {}
+        try:
+            return visit(block)
+        finally:
+            self.wide = outer
 
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)

@@ -56,3 +56,39 @@ def test_float32_graphs_are_unchanged():
     out, widened = fp32_accumulate(mod)
     assert widened == 0
     tvm.ir.assert_structural_equal(out, mod)
+
+
+def test_one_float32_copy_of_an_input_per_block():
+    """q, k and v read one float32 copy of their input (combine_matmuls groups matmuls by
+    input); a copy made in an If branch's block is not reused outside it."""
+    rng = np.random.default_rng(1)
+    ws = [rng.standard_normal((16, 8)).astype("float16") for _ in range(4)]
+    x = relax.Var("x", relax.TensorType([2, 16], "float16"))
+    flag = relax.Var("flag", relax.TensorType([], "bool"))
+    t = relax.Var("t", relax.TensorType([2, 8], "float16"))
+    branch = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(t, relax.op.matmul(x, relax.const(ws[2])))])], t)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, flag]):
+        q = bb.emit(relax.op.matmul(x, relax.const(ws[0])))
+        k = bb.emit(relax.op.matmul(x, relax.const(ws[1])))
+        chosen = bb.emit(relax.If(flag, branch, q))
+        v = bb.emit(relax.op.matmul(x, relax.const(ws[3])))
+        bb.emit_func_output(relax.Tuple([q, k, chosen, v]))
+    mod, changed = fp32_accumulate(bb.get())
+    assert changed == 4
+    text = mod["main"].script()
+    assert text.count('R.astype(x, dtype="float32")') == 2  # the outer block's, the branch's
+    branch_text = text[text.index("if flag:"):text.index("else:")]
+    assert 'R.astype(x, dtype="float32")' in branch_text  # its own copy, not the outer one
+    # (running this module crashes TVM's VM, as it did before copies were shared: not run here)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        outs = [bb.emit(relax.op.matmul(x, relax.const(w))) for w in ws[:3]]
+        bb.emit_func_output(relax.Tuple(outs))
+    mod, changed = fp32_accumulate(bb.get())
+    assert changed == 3 and mod["main"].script().count("R.astype(x,") == 1
+    xv = rng.standard_normal((2, 16)).astype("float16")
+    got = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xv))
+    for out, w in zip(got, ws):
+        want = (xv.astype(np.float32) @ w.astype(np.float32)).astype(np.float16)
+        np.testing.assert_array_equal(out.numpy(), want)
