@@ -99,7 +99,7 @@ def huge_aligned(r: Range) -> Range | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _madvise():
+def libc_madvise():
     """libc's madvise (found once: ``find_library`` takes ~1 ms, and a load calls this per chunk)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     fn = libc.madvise
@@ -115,7 +115,7 @@ def back_with_huge_pages(ranges: list[Range], collapse: bool = True) -> int:
     memory is too fragmented: the ranges stay as they were, which is always correct)."""
     if not enabled() or thp_mode() in ("never", "unavailable"):
         return 0
-    madvise = _madvise()
+    madvise = libc_madvise()
     done = 0
     for r in ranges:
         aligned = huge_aligned(r)

@@ -166,12 +166,12 @@ def _drop_pages(lo: int, hi: int) -> None:
     """Unmap the library's whole pages in [lo, hi) from this process (read-only file pages:
     they stay in the page cache and would be read back if touched), so the copy is the only one
     resident."""
-    from qtvm.hugepages import _madvise
+    from qtvm.hugepages import libc_madvise
 
     page = mmap.PAGESIZE
     lo, hi = _round_up(lo, page), hi // page * page
     if hi > lo:
-        _madvise()(lo, hi - lo, MADV_DONTNEED)
+        libc_madvise()(lo, hi - lo, MADV_DONTNEED)
 
 
 def find(path: str | os.PathLike) -> int | None:
