@@ -18,6 +18,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qtvm import ops
+from qtvm.deploy.weights import tensor_nbytes
 from qtvm.formats import QuantFormat, QuantizedTensor
 from qtvm.formats.base import bits_per_weight
 from schedules import facts as target_facts
@@ -141,7 +142,7 @@ def _as_float32(a: np.ndarray) -> np.ndarray:
 
 def source_nbytes(source) -> int:
     """The bytes a ``_weight_source``'s constants hold (2 a weight for a half precision model)."""
-    return sum(int(np.prod([int(d) for d in t.shape])) * tvm.DataType(str(t.dtype)).bits // 8 for t, _ in source)
+    return sum(tensor_nbytes(t) for t, _ in source)
 
 
 #: float bytes quantized at a time: a format's quantize holds several times its input (int4 3x,
