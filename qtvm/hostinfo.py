@@ -14,6 +14,21 @@ def host_cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """Vendor, family, model and stepping of the first CPU: a VM's model name can be as vague as
+    'Intel(R) Xeon(R) Processor' for two generations, so a measurement records these too."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    first = cpuinfo.strip().split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return (f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}")
+
+
 def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
     """Physical cores among the CPUs this process may run on.
 

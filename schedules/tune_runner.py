@@ -144,26 +144,16 @@ def machine() -> dict:
 
 
 def _cpu_id() -> str:
-    """Vendor, family, model, stepping and LLVM's name for the host CPU (a VM's model name
-    can be as vague as 'AMD EPYC')."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    """The CPU's vendor, family, model and stepping, and LLVM's name for it."""
+    from qtvm.hostinfo import cpu_identity
+
     try:
         from schedules.target_facts import host_llvm_cpu
 
         llvm = host_llvm_cpu()
     except Exception:  # noqa: BLE001
         llvm = "?"
-    return (f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model "
-            f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')} (llvm: {llvm})")
+    return f"{cpu_identity()} (llvm: {llvm})"
 
 
 def _same_machine(a: dict, b: dict) -> bool:

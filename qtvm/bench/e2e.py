@@ -323,7 +323,7 @@ def run(cfg: dict, cache_dir: Path, engines=DEFAULT_ENGINES, threads=(1, 2), pro
     from qtvm.bench import harness
 
     pages = harness.pages_meta(huge_pages)
-    print(f"{harness.cpu_model()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; weights on "
+    print(f"{harness.cpu_named()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; weights on "
           f"{pages['weights_on']} (THP mode {pages['thp_mode']})", flush=True)
     print(f"model: LLaMA hidden {cfg['hidden']}, {cfg['layers']} layers, intermediate {cfg['intermediate']}, "
           f"vocab {cfg['vocab']}, heads {cfg['heads']} ({cfg['kv_heads']} KV); prompt {prompt}, decode {decode}, "

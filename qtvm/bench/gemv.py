@@ -181,7 +181,7 @@ def run(shapes=DEFAULT_SHAPES, threads=(1, 2), formats=DEFAULT_FORMATS, activati
     for preset in formats:
         get_format(preset)  # unknown presets fail before any measuring
     pages = harness.pages_meta(huge_pages)
-    print(f"{harness.cpu_model()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
+    print(f"{harness.cpu_named()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
           f"{100 * harness.cpu_busy_fraction(1.0):.0f}%; weights of every kernel on {pages['weights_on']} "
           f"(THP mode {pages['thp_mode']})", flush=True)
     probe = bandwidth.BandwidthProbe(huge_pages=huge_pages)  # on the weights' pages

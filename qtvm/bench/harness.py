@@ -56,7 +56,7 @@ from typing import Any, TextIO
 
 from qtvm.bench.bandwidth import l3_cache_bytes
 
-from qtvm.hostinfo import host_cpu_flags
+from qtvm.hostinfo import cpu_identity, host_cpu_flags
 
 __all__ = [
     "DEFAULT_MIN_TOTAL_BYTES",
@@ -70,6 +70,7 @@ __all__ = [
     "run_in_subprocess",
     "machine_meta",
     "cpu_model",
+    "cpu_named",
     "cpu_busy_fraction",
     "wait_for_quiet",
     "format_table",
@@ -362,6 +363,11 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_named() -> str:
+    """The model name and the family/model numbers, for a benchmark's header line."""
+    return f"{cpu_model()} ({cpu_identity()})"
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -425,6 +431,7 @@ def machine_meta(bandwidth_by_threads: Mapping[int, float] | None = None) -> dic
     flags = host_cpu_flags()
     meta: dict[str, Any] = {
         "cpu_model": cpu_model(),
+        "cpu_id": cpu_identity(),
         "n_cpus": os.cpu_count(),
         "isa": sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile"}),
         "l3_bytes": l3_cache_bytes(),

@@ -426,7 +426,7 @@ def run(shapes=DEFAULT_SHAPES, rows=DEFAULT_ROWS, formats=DEFAULT_FORMATS, activ
 
     from qtvm.bench import harness
 
-    print(f"{harness.cpu_model()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
+    print(f"{harness.cpu_named()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
           f"CPU busy before start {100 * harness.cpu_busy_fraction(1.0):.0f}%", flush=True)
     from qtvm.progress import bar
 

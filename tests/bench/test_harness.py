@@ -164,6 +164,7 @@ def test_machine_meta_fields():
     m = harness.machine_meta({1: 1.5})
     assert m["read_bandwidth_gbps"] == {"1": 1.5}
     assert m["l3_bytes"] == l3_cache_bytes()
+    assert m["cpu_id"].count(" family ") == 1 and " model " in m["cpu_id"]
     b = harness.cpu_busy_fraction(0.05)
     assert math.isnan(b) or 0.0 <= b <= 1.0
 
