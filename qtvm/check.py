@@ -42,6 +42,10 @@ INT8_ACT_FLOOR = 1e-3
 # MiniLM, int2/int3/bcq3 at 9 bindings: the own error was at most 1.0x the flip noise of its
 # binding with these four jitters (one jitter at a time: up to 2.6x), at most 0.7x the largest.
 FLIP_JITTERS = (2.0 ** -16, 2.0 ** -14, 2.0 ** -16, 2.0 ** -14)
+#: a half precision model's jitters, in its type's epsilon: its layers' outputs differ upstream by
+#: its last bits, not float32's (a float16 model's int8 check: own error 6.4e-3 against a flip
+#: noise of 2.3e-4 measured with the float32 jitters)
+HALF_FLIP_JITTERS = (0.25, 1.0, 0.25, 1.0)
 FLIP_FACTOR = 2.0
 INT8_UNMODELLED_TOLERANCE = 1e-1  # against fp32 activations: the rounding itself (MiniLM: 0.04-0.06)
 DEFAULT_DIM_VALUES = (1, 3, 17)
@@ -393,10 +397,13 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         ref_model = _jittered_quantizers(ref_model, quantizers)
         reference, default_tol = reference + QDQ_NOTE, None
     half = _half_precision(model)
+    half_floor = HALF_EPSILONS * half[1] if half is not None else 0.0
+    half_rule = f"{HALF_EPSILONS} x {half[0]}'s epsilon (a {half[0]} model rounds every layer's output to it)" \
+        if half is not None else ""
     rule = ""
     if half is not None and default_tol == FP32_TOLERANCE:
-        default_tol = max(FP32_TOLERANCE, HALF_EPSILONS * half[1])
-        rule = f"{HALF_EPSILONS} x {half[0]}'s epsilon (a {half[0]} model rounds every layer's output to it)"
+        default_tol, rule = max(FP32_TOLERANCE, half_floor), half_rule
+    jitters = FLIP_JITTERS if half is None else tuple(half[1] * j for j in HALF_FLIP_JITTERS)
     float_sess = _session(model, model_path)  # the file as loaded: onnxruntime reads it itself
     ref_sess = float_sess if ref_model is model else _session(ref_model)
     from qtvm.reference import JITTER_INPUT
@@ -426,7 +433,7 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         want_float = _run(float_sess, feed, binding)
         got = module.run(feed)
         want_ref = _run(ref_sess, {**feed, **no_jitter}, binding)
-        noise = _flip_noise(ref_sess, feed, jitter_inputs, want_ref, rng_jitter) if jitter_inputs else {}
+        noise = _flip_noise(ref_sess, feed, jitter_inputs, want_ref, rng_jitter, jitters) if jitter_inputs else {}
         for name, value in got.items():
             report.rows.append(OutputCheck(binding, name, tuple(value.shape), _rel(value, want_float[name]),
                                            _rel(value, want_ref[name]), noise.get(name)))
@@ -434,10 +441,11 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     if fallback:
         report.reference = (report.reference.replace("onnxruntime", "ONNX's reference evaluator", 1)
                             + f" (onnxruntime cannot run this model: {fallback})")
-    if report.tolerance is None:  # int8: the bound this model's flip noise sets
-        report.tolerance = max(INT8_ACT_FLOOR, FLIP_FACTOR * max(r.flip_noise for r in report.rows))
-        report.rule = (f"max({INT8_ACT_FLOOR:g}, {FLIP_FACTOR:g} x the largest flip noise: the error of the "
-                       f"reference with its rounded inputs jittered by up to 2^{round(np.log2(max(FLIP_JITTERS)))})")
+    if report.tolerance is None:  # int8: the bound this model's flip noise sets (and its half precision's)
+        report.tolerance = max(INT8_ACT_FLOOR, half_floor, FLIP_FACTOR * max(r.flip_noise for r in report.rows))
+        report.rule = (f"max({INT8_ACT_FLOOR:g}, " + (f"{half_rule}, " if half is not None else "")
+                       + f"{FLIP_FACTOR:g} x the largest flip noise: the error of the reference with its rounded "
+                       f"inputs jittered by up to 2^{round(np.log2(max(jitters)))})")
     return report
 
 
@@ -515,11 +523,12 @@ def _ort_message(e: Exception) -> str:
     return re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", str(e).strip().splitlines()[0])
 
 
-def _flip_noise(session, feed: dict, jitter_inputs: list, want: dict, rng: np.random.Generator) -> dict:
-    """Output name -> the largest error of the jittered reference (``FLIP_JITTERS``) against ``want``."""
+def _flip_noise(session, feed: dict, jitter_inputs: list, want: dict, rng: np.random.Generator,
+                jitters=FLIP_JITTERS) -> dict:
+    """Output name -> the largest error of the jittered reference (``jitters``, relative) against ``want``."""
     names = [o.name for o in session.get_outputs()]
     noise = dict.fromkeys(names, 0.0)
-    for size in FLIP_JITTERS:  # a scalar jitter (k = 0) scales its node's fixed noise pattern
+    for size in jitters:  # a scalar jitter (k = 0) scales its node's fixed noise pattern
         jitter = {n: (1 + size * rng.uniform(-1, 1, k)).astype(np.float32) if k
                   else np.array(size * rng.uniform(-1, 1), np.float32) for n, k in jitter_inputs}
         for name, value in zip(names, session.run(None, {**feed, **jitter})):

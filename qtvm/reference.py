@@ -49,16 +49,18 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     order perturbs x; all ones give the plain reference): the difference it makes is what the
     rounding steps that move with the last bits cost this model.
     """
-    from qtvm.frontend.onnx import weight_sources
+    from qtvm.frontend.onnx import graph_scopes, weight_sources
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    sources = weight_sources(out)
+    scopes = list(graph_scopes(out.graph))  # the graph and its subgraphs (If branches): one object each
+    sources = weight_sources(out, scopes)
     inits = {t.name: t for t in out.graph.initializer}
-    reads: dict[str, int] = {}  # how many node inputs read each tensor
-    for node in out.graph.node:
-        for name in node.input:
-            reads[name] = reads.get(name, 0) + 1
+    reads: dict[str, int] = {}  # how many node inputs (in any graph) read each tensor
+    for graph, _ in scopes:
+        for node in graph.node:
+            for name in node.input:
+                reads[name] = reads.get(name, 0) + 1
     direct: dict[str, set] = {}  # initializer -> the layouts (Gemm transB) of the matmuls reading it directly
     direct_reads: dict[str, int] = {}
     for src in sources:
@@ -67,12 +69,13 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
             direct_reads[src.name] = direct_reads.get(src.name, 0) + 1
     made: dict[tuple, str] = {}
     quantized: dict[tuple, object] = {}  # (name, transposed) -> QuantizedTensor
-    before: dict[int, list] = {}  # graph index -> nodes to insert ahead of it
-    after: dict[int, list] = {}
+    before: dict[tuple, list] = {}  # (id of a graph, node index) -> nodes to insert ahead of it
+    after: dict[tuple, list] = {}
     rounder = _Rounder(out, before, jitter) if int8_facts is not None else None
-    for src in sources:
-        if src.tensor.data_type != onnx.TensorProto.FLOAT:
-            _in_float32(src, before, after)
+    stored_types = [src.tensor.data_type for src in sources]  # as read: a weight may be replaced in place below
+    for number, src in enumerate(sources):
+        if stored_types[number] != onnx.TensorProto.FLOAT:
+            _in_float32(src, number, stored_types[number], before, after)
         trans_b = src.node.op_type == "Gemm" and _trans_b(src.node)
         key = (src.name, src.transposed, trans_b)  # the quantized [K, N] weight, the layout the node reads
         if (src.name, src.transposed) not in quantized:
@@ -80,7 +83,7 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
             kn = kn.T if src.transposed else kn
             quantized[src.name, src.transposed] = fmt.quantize(np.ascontiguousarray(kn), name=src.name)
         qt = quantized[src.name, src.transposed]
-        stacked = rounder.round_input(src.index, src.node, qt, int8_facts) if rounder is not None else None
+        stacked = rounder.round_input(_at(src), src.node, qt, int8_facts) if rounder is not None else None
         if stacked is not None:  # parts rounding apart: x' @ W', x' their inputs side by side
             tensor = numpy_helper.from_array(np.ascontiguousarray(stacked.T if trans_b else stacked))
             tensor.name = f"{src.name}.qtvm_parts{len(out.graph.initializer)}"
@@ -99,34 +102,44 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
                 made[key] = stored.name = f"{src.name}.qtvm_dequantized{len(made)}"
                 out.graph.initializer.append(stored)
         src.node.input[1] = made[key]
-    if before or after:
+    for graph, _ in reversed(scopes):  # a branch before the graph holding it (its nodes are copied)
+        if not any(at[0] == id(graph) for at in (*before, *after)):
+            continue
         nodes = []
-        for index, node in enumerate(out.graph.node):
-            nodes += before.get(index, []) + [onnx.NodeProto()]
+        for index, node in enumerate(graph.node):
+            nodes += before.get((id(graph), index), []) + [onnx.NodeProto()]
             nodes[-1].CopyFrom(node)
-            nodes += after.get(index, [])
-        del out.graph.node[:]
-        out.graph.node.extend(nodes)
-    used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
+            nodes += after.get((id(graph), index), [])
+        del graph.node[:]
+        graph.node.extend(nodes)
+    used = {name for graph, _ in scopes for n in graph.node for name in n.input}
+    used |= {o.name for graph, _ in scopes for o in graph.output}  # a branch may output a weight as is
     kept = [t for t in out.graph.initializer if t.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
     return out
 
 
-def _in_float32(src, before: dict, after: dict) -> None:
+def _at(src) -> tuple:
+    """Where nodes go ahead of or after ``src``'s matmul: (id of its graph, its index there)."""
+    return id(src.graph), src.index
+
+
+def _in_float32(src, number: int, low: int, before: dict, after: dict) -> None:
     """A half precision matmul as qtvm computes it (``relay_passes.fp32_accumulate``): float32
-    inputs (the weight becomes a float32 initializer here), a float32 product, cast back."""
-    node, low = src.node, src.tensor.data_type
+    inputs (the weight becomes a float32 initializer here), a float32 product, cast back.
+    ``number``: the source's own, so the names made are unique across the graph's subgraphs;
+    ``low``: the weight's stored type, which the product is cast back to."""
+    node = src.node
     ins = [0, 2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else [0]
     for i in ins:
-        wide = f"{node.input[i]}.qtvm_float32_{src.index}"
-        before.setdefault(src.index, []).append(onnx.helper.make_node(
+        wide = f"{node.input[i]}.qtvm_float32_{number}"
+        before.setdefault(_at(src), []).append(onnx.helper.make_node(
             "Cast", [node.input[i]], [wide], name=wide, to=onnx.TensorProto.FLOAT))
         node.input[i] = wide
     y = node.output[0]
     node.output[0] = f"{y}.qtvm_float32"
-    after.setdefault(src.index, []).append(onnx.helper.make_node("Cast", [node.output[0]], [y], name=f"{y}.qtvm_cast", to=low))
+    after.setdefault(_at(src), []).append(onnx.helper.make_node("Cast", [node.output[0]], [y], name=f"{y}.qtvm_cast", to=low))
 
 
 def _trans_b(node: onnx.NodeProto) -> bool:
@@ -141,14 +154,14 @@ class _Rounder:
         if opset < 11:
             raise UnmodelledRounding(f"opset {opset} has no Round/Pad with tensor inputs (needs 11)")
         self.model, self.opset, self.count, self.jitter = model, opset, 0, jitter
-        self.before = before  # graph index -> nodes to insert ahead of it (the caller inserts them)
-        self.at = -1
+        self.before = before  # (graph, node index) -> nodes to insert ahead of it (the caller inserts them)
+        self.at: tuple = ()
 
-    def round_input(self, index: int, node: onnx.NodeProto, qt, facts) -> np.ndarray | None:
+    def round_input(self, at: tuple, node: onnx.NodeProto, qt, facts) -> np.ndarray | None:
         """Round ``node``'s input as the target's kernels for ``qt`` do. Returns the stacked
         [K', N] weight when the format's kernel parts round apart (mixed-2-4-16's 4-bit rows:
         the node then reads Concat(part inputs) @ stacked), else None (it keeps its weight)."""
-        self.at = index
+        self.at = at
         if any(a.name == "transA" and a.i for a in node.attribute):
             raise UnmodelledRounding(f"{node.op_type} '{node.name}' has transA")
         parts = qt.fmt.kernel_parts(qt, **facts.parts_options)

@@ -234,14 +234,15 @@ def _copy_fields(src, dst, skip: str) -> None:
 
 
 def unsupported_ops(model: onnx.ModelProto) -> list[str]:
-    """Every op type TVM's ONNX importer lacks (domain-qualified if not default)."""
+    """Every op type TVM's ONNX importer lacks, in the graph and its subgraphs (domain-qualified
+    if not default)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
     from qtvm.frontend.converters import CONVERTERS
 
     known = set(_get_convert_map()) | set(CONVERTERS) | {"Constant", "If"}
     missing = set()
-    for node in model.graph.node:
+    for node in (n for graph, _ in graph_scopes(model.graph) for n in graph.node):
         custom_domain = node.domain not in ("", "ai.onnx")
         if (node.domain, node.op_type) in QTVM_READS:
             continue
@@ -264,10 +265,11 @@ class WeightSource:
     ``transposed`` (Gemm transB, or a Transpose node on the way), else [K, N]."""
 
     node: onnx.NodeProto
-    index: int  # of node in model.graph.node
+    index: int  # of node in graph.node
     name: str
     tensor: onnx.TensorProto
     transposed: bool
+    graph: onnx.GraphProto  # the model's graph, or the subgraph (an If branch) holding node
 
     @property
     def array(self):
@@ -275,44 +277,61 @@ class WeightSource:
         return tensor_array(self.tensor)
 
 
-def weight_sources(model: onnx.ModelProto) -> list[WeightSource]:
+def graph_scopes(graph: onnx.GraphProto, outer: tuple = ()):
+    """(graph, the graphs enclosing it) for ``graph`` and every subgraph under it (If branches,
+    Loop and Scan bodies), depth first: a subgraph reads its enclosing graphs' names."""
+    yield graph, outer
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                yield from graph_scopes(sub, (*outer, graph))
+
+
+def weight_sources(model: onnx.ModelProto, scopes: list | None = None) -> list[WeightSource]:
     """Every MatMul/Gemm whose B is a constant 2-D float weight (``WEIGHT_TYPES``), directly or through
     Identity and 2-D Transpose nodes (dynamo exports a tied lm_head as MatMul(x,
-    Transpose(W))): the rule relay_passes.quantize_weights applies to the imported graph,
-    so what is summarized, quantized and dequantized for reference is the same set."""
-    arrays = {t.name: t for t in model.graph.initializer}
-    producer = {o: n for n in model.graph.node for o in n.output}
+    Transpose(W))), in the graph and its subgraphs (TVM's importer keeps an If branch's
+    weights as constants, and the quantizer packs them): the rule relay_passes.quantize_weights
+    applies to the imported graph, so what is summarized, quantized and dequantized for
+    reference is the same set. ``scopes``: ``graph_scopes(model.graph)``, where the caller
+    needs each source's ``graph`` to be one of its objects."""
     out = []
-    for index, node in enumerate(model.graph.node):
-        if node.op_type not in WEIGHT_OPS or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
-            continue
-        name = node.input[1]
-        transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
-        while name not in arrays and name in producer:
-            p = producer[name]
-            perm = next((list(a.ints) for a in p.attribute if a.name == "perm"), None)
-            if p.op_type == "Constant" and any(a.name == "value" for a in p.attribute):
-                arrays[name] = next(a.t for a in p.attribute if a.name == "value")
-                break
-            if p.op_type == "Identity":
-                name = p.input[0]
-            elif p.op_type == "Transpose" and perm in (None, [1, 0]):
-                name, transposed = p.input[0], not transposed
-            else:
-                break
-        tensor = arrays.get(name)
-        if tensor is not None and len(tensor.dims) == 2 and tensor.data_type in WEIGHT_TYPES:
-            out.append(WeightSource(node, index, name, tensor, transposed))
+    for graph, outer in (scopes if scopes is not None else graph_scopes(model.graph)):
+        arrays = {t.name: t for g in (*outer, graph) for t in g.initializer}  # inner names shadow outer
+        producer = {o: n for g in (*outer, graph) for n in g.node for o in n.output}
+        for index, node in enumerate(graph.node):
+            if node.op_type not in WEIGHT_OPS or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+                continue
+            name = node.input[1]
+            transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+            while name not in arrays and name in producer:
+                p = producer[name]
+                perm = next((list(a.ints) for a in p.attribute if a.name == "perm"), None)
+                if p.op_type == "Constant" and any(a.name == "value" for a in p.attribute):
+                    arrays[name] = next(a.t for a in p.attribute if a.name == "value")
+                    break
+                if p.op_type == "Identity":
+                    name = p.input[0]
+                elif p.op_type == "Transpose" and perm in (None, [1, 0]):
+                    name, transposed = p.input[0], not transposed
+                else:
+                    break
+            tensor = arrays.get(name)
+            if tensor is not None and len(tensor.dims) == 2 and tensor.data_type in WEIGHT_TYPES:
+                out.append(WeightSource(node, index, name, tensor, transposed, graph))
     return out
 
 
 def summarize(model: onnx.ModelProto) -> OnnxSummary:
-    constant = {w.index for w in weight_sources(model)}
+    scopes = list(graph_scopes(model.graph))
+    constant = {(id(w.graph), w.index) for w in weight_sources(model, scopes)}
     s = OnnxSummary()
-    for i, node in enumerate(model.graph.node):
-        if node.op_type in WEIGHT_OPS and node.domain in ("", "ai.onnx"):
-            name = node.name or f"{node.op_type}_{i}"
-            (s.weight_matmuls if i in constant else s.float_matmuls).append(name)
+    for graph, _ in scopes:
+        for i, node in enumerate(graph.node):
+            if node.op_type in WEIGHT_OPS and node.domain in ("", "ai.onnx"):
+                name = node.name or f"{node.op_type}_{i}"
+                (s.weight_matmuls if (id(graph), i) in constant else s.float_matmuls).append(name)
     inits = {t.name for t in model.graph.initializer}
     to_str = onnx.helper.tensor_dtype_to_np_dtype
     graph_inputs = [v for v in model.graph.input if v.name not in inits]

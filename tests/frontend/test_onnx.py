@@ -98,6 +98,32 @@ def test_control_flow_graph_still_imports():
     assert [p.name for p in mod["main"].params] == ["c", "x"]
 
 
+def test_weights_and_ops_inside_if_branches_are_seen():
+    """A branch's weight matmul is a weight source (the quantizer packs it; the summary and the
+    reference read the same set) whose graph is the branch, through an outer Transpose; an op
+    TVM lacks inside a branch is named with the others, not found by TVM's importer later."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtvm.frontend.onnx import weight_sources
+
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", 4])  # noqa: E731
+    w = numpy_helper.from_array(np.ones((4, 8), np.float32), "w")
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "wt"], ["t"], name="branch_mm")], "then", [],
+                             [out("t")])
+    other = helper.make_graph([helper.make_node("Det", ["x"], ["e"])], "else", [], [out("e")])
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                           helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [out("y")], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    [src] = weight_sources(model)
+    assert (src.name, src.transposed, src.node.name, src.graph.name) == ("w", True, "branch_mm", "then")
+    assert summarize(model).weight_matmuls == ["branch_mm"]
+    assert unsupported_ops(model) == ["Det"]
+
+
 def test_checker_and_shape_inference_see_no_weight_data(monkeypatch):
     """onnx's checker and shape inference serialize the model they are given (a copy of
     every weight, and past 2 GiB an error: onnxruntime-genai's 3B int4 files); qtvm gives
