@@ -313,8 +313,10 @@ def compile_relax(mod, target: tvm.target.Target, lifted: list | None = None):
     (``relay_passes.lift_weights``): each function that reads one takes it as a trailing
     parameter ``qtvm_w<index>``, and they are appended to ``lifted`` in index order (for the
     export's blob)."""
+    from relay_passes.outline_branches import outline_branches
     from schedules import family, tir_pipeline
 
+    mod, _ = outline_branches(mod)  # TVM's memory planner lends a branch's storage past its If
     pipeline = getattr(family(target), "relax_pipeline", None)
     pipeline = pipeline(target) if pipeline is not None else "default"
     if target.kind.name == "cuda":
