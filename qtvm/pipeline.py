@@ -254,7 +254,7 @@ def _check_kv_functions(path, meta: dict) -> tuple[str | None, str | None, float
     from qtvm import generate
     from qtvm.runtime import Module
 
-    module = Module(path)
+    module = Module(path, weights_in_file=True)  # the compile still holds its module: no second copy
     errors = generate.step_errors(module) or {}
     worst = max((e for what, e in errors.items() if what.startswith("logits")), default=None)
     problem = generate.first_over(errors, step_tolerance(meta))

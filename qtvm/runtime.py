@@ -56,7 +56,9 @@ METADATA_FUNC = "qtvm_metadata"
 
 
 class Module:
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, weights_in_file: bool = False):
+        """``weights_in_file``: the weights are read through the file's pages, not copied
+        (``qtvm.deploy.weights.FileWeights``; slower kernels): for a check beside a compile."""
         import tvm.runtime
         from tvm.runtime.vm import VirtualMachine
 
@@ -65,7 +67,7 @@ class Module:
             raise QtvmError(f"artefact '{path}' does not exist", "compile one with `qtvm compile`")
         weights = NewMemoryOnHugePages().start()  # the constants TVM allocates while loading
         with tvm_output_captured():  # TVM logs a warning per planned memory scope while loading
-            lib, self._weights = _load_library(path)
+            lib, self._weights = _load_library(path, weights_in_file)
         self._vm = VirtualMachine(lib, tvm.cpu())
         try:
             raw = self._vm[METADATA_FUNC]().numpy().tobytes()
@@ -344,24 +346,28 @@ def _load_fresh(path: Path, load_module):
 _LOADED_FILES: dict[str, tuple] = {}
 
 
-def _load_with_weights(path: str):
-    """TVM's module of the library at ``path`` and its weights blob copied out of it (None where
-    its weights are the VM's constants: ``qtvm.deploy.weights``)."""
+def _load_with_weights(path: str, in_file: bool = False):
+    """TVM's module of the library at ``path`` and its weights blob copied out of it, or (``in_file``,
+    where it can) read through the file's pages (None where its weights are the VM's constants:
+    ``qtvm.deploy.weights``)."""
     import tvm.runtime
 
     from qtvm.deploy import weights
 
     lib = tvm.runtime.load_module(path)
     address = weights.find(path)
-    return lib, (weights.LoadedWeights(address) if address is not None else None)
+    if address is None:
+        return lib, None
+    mapped = weights.FileWeights.of(address) if in_file else None
+    return lib, (mapped if mapped is not None else weights.LoadedWeights(address))
 
 
-def _load_library(path: Path):
+def _load_library(path: Path, weights_in_file: bool = False):
     """The artefact's library and weights (``_load_fresh``); a CUDA artefact first loads TVM's
     CUDA runtime (``qtvm.cuda``: the driver, or a stub where there is none, so the artefact
     still opens and says why it cannot run)."""
     try:
-        return _load_fresh(path, _load_with_weights)
+        return _load_fresh(path, lambda p: _load_with_weights(p, weights_in_file))
     except Exception as err:  # noqa: BLE001 -- TVM raises several kinds
         message = str(err)
     if "load_from_bytes.cuda" in message:
@@ -369,7 +375,7 @@ def _load_library(path: Path):
 
         load_cuda_runtime(allow_stub=True)
         try:
-            return _load_fresh(path, _load_with_weights)
+            return _load_fresh(path, lambda p: _load_with_weights(p, weights_in_file))
         except Exception:  # noqa: BLE001
             pass
     elif "load_from_bytes.opencl" in message:

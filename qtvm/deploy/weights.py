@@ -162,6 +162,51 @@ class LoadedWeights:
                 _drop_pages(src + lo, src + hi)
 
 
+class FileWeights:
+    """The weights as copy-on-write views of the artefact file's own pages: nothing is copied, and
+    the pages stay the file's (the kernel reclaims them under pressure). For a load that only
+    checks the artefact (the compile's KV check, while the compile still holds its module): views
+    into one mapping run slower than ``LoadedWeights``' tensors. ``FileWeights.of`` is None where
+    the blob is not at a file's page (the library loaded from a copy since deleted)."""
+
+    def __init__(self, file: str, offset: int, address: int):
+        import tvm.runtime
+
+        data_start, self.entries = read_table(lambda off, n: ctypes.string_at(address + off, n))
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        end = offset + data_start + max((e.offset + e.nbytes for e in self.entries), default=0)
+        with open(file, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_COPY, offset=base)
+        self.tensors = []
+        for e in self.entries:
+            at = offset - base + data_start + e.offset
+            raw = np.frombuffer(self._map, np.uint8, count=e.nbytes, offset=at)
+            if e.dtype in ("float32", "float16", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64") \
+                    and raw.ctypes.data % WEIGHT_ALIGN == 0:
+                self.tensors.append(tvm.runtime.from_dlpack(raw.view(e.dtype).reshape(e.shape)))
+            else:  # a type numpy lays out otherwise (bfloat16): a copy
+                tensor = tvm.runtime.empty(e.shape, e.dtype)
+                tensor_bytes(tensor)[:] = raw
+                self.tensors.append(tensor)
+
+    @staticmethod
+    def of(address: int) -> "FileWeights | None":
+        """The blob at ``address`` (in a loaded library) through its file, from /proc/self/maps."""
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                    if lo <= address < hi and len(fields) == 6 and fields[5].startswith("/"):
+                        file = fields[5].rstrip("\n")
+                        if file.endswith(" (deleted)"):
+                            return None
+                        return FileWeights(file, address - lo + int(fields[2], 16), address)
+        except (OSError, ValueError):
+            pass
+        return None
+
+
 def _drop_pages(lo: int, hi: int) -> None:
     """Unmap the library's whole pages in [lo, hi) from this process (read-only file pages:
     they stay in the page cache and would be read back if touched), so the copy is the only one
