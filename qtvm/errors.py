@@ -12,3 +12,16 @@ class QtvmError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem.rstrip('.')}; {fix}" if fix else problem)
+
+
+def require_compiler_tvm() -> None:
+    """Refuse, in one line, a compile in a process that imported ``qtvm.runtime`` first: it
+    loaded TVM's runtime library only, and the compiler's modules then fail deep inside TVM
+    ("module 'tvm.ir._ffi_api' has no attribute 'RegisterOpAttr'")."""
+    import sys
+
+    tvm = sys.modules.get("tvm")
+    if tvm is not None and getattr(getattr(tvm, "base", None), "_RUNTIME_ONLY", False):
+        raise QtvmError("this process imported qtvm.runtime before the compiler, so it holds TVM's runtime "
+                        "library only", "import qtvm.pipeline (or qtvm.explore) before qtvm.runtime, or "
+                        "compile in another process")

@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from qtvm.errors import require_compiler_tvm
+
+require_compiler_tvm()
 import tvm
 from tvm import s_tir
 

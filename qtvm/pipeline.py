@@ -9,6 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtvm.errors import require_compiler_tvm
+
+require_compiler_tvm()
 import numpy as np
 import tvm
 from tvm import relax

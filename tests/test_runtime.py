@@ -70,6 +70,18 @@ def test_runtime_process_never_maps_compiler(tiny_llama_int4):
     assert "compiler mapped: False False (2, 3, 512)" in proc.stdout
 
 
+@pytest.mark.parametrize("compiler", ["qtvm.pipeline", "qtvm.explore"])
+def test_the_compiler_after_the_runtime_is_refused_in_one_line(compiler):
+    """A notebook that imported qtvm.runtime first holds TVM's runtime library only: importing the
+    compiler then failed inside TVM ("no attribute 'RegisterOpAttr'"); it says what to do."""
+    proc = subprocess.run([sys.executable, "-c", f"import qtvm.runtime; import {compiler}"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("qtvm.errors.QtvmError: this process imported qtvm.runtime before the compiler"), last
+    assert "RegisterOpAttr" not in proc.stderr
+
+
 def test_refuses_cpu_it_was_not_built_for(tiny_llama_int4, monkeypatch):
     from qtvm import runtime
 
