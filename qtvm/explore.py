@@ -402,7 +402,8 @@ class Kernel:
     def time(self, name="analytic", *, cold: bool = True, repeats: int = 30, cold_bytes: int | None = None) -> Timing:
         """Median call time of schedule ``name`` (or of a :class:`Step`'s TIR): cache-hot
         (the same weights every call) and, with ``cold``, DRAM-cold (weights rotated over
-        copies totalling > 4x L3, or ``cold_bytes``). The output is checked against numpy
+        copies totalling > 4x L3, or ``cold_bytes`` in all: a small kernel on a CPU with a
+        large L3 would need too many copies). The output is checked against numpy
         first: a wrong schedule shows its error, never only a time."""
         why = self._runs_here()
         if why:
@@ -426,8 +427,12 @@ class Kernel:
         if cold:
             from qtvm.bench import harness
 
-            rot = harness.rotating_copies(lambda i: [tvm.runtime.tensor(a) for a in arrays], weight_bytes,
-                                          0 if cold_bytes is None else cold_bytes)
+            try:  # cold_bytes, where given, is the rotation (not a floor under 4x the L3)
+                rot = harness.rotating_copies(lambda i: [tvm.runtime.tensor(a) for a in arrays], weight_bytes,
+                                              cold_bytes or 0, l3_bytes=None if cold_bytes is None else 0)
+            except ValueError as e:
+                raise QtvmError(f"cannot time {self!r} DRAM-cold: {e}",
+                                "pass cold_bytes= (the bytes to rotate over) or cold=False") from None
             copies = len(rot)
             times = harness.time_rotating(lambda ws: fn(*acts, *ws, y), rot, warmup=2, iters=max(repeats, copies))
             cold_us = harness.median(times) * 1e6

@@ -55,6 +55,19 @@ def test_time_cold_and_hot_and_the_comparison(kern):
     assert len(ax.patches) == 4
 
 
+def test_a_kernel_too_small_to_time_cold_says_what_to_pass(kern, monkeypatch):
+    """On a CPU with a large L3 (480 MiB: 4x that is 109k copies of an 18 KB kernel) the rotation
+    needs too many copies: one line naming cold_bytes, not the harness's ValueError; cold_bytes
+    is the whole rotation there (it was a floor under 4x the L3, and failed the same way)."""
+    from qtvm.bench import harness
+
+    monkeypatch.setattr(harness, "l3_cache_bytes", lambda: 1 << 40)
+    with pytest.raises(QtvmError, match="cannot time .* DRAM-cold: .*; pass cold_bytes="):
+        kern.time("analytic", repeats=2)
+    assert kern.time("analytic", repeats=2, cold_bytes=1 << 20).copies == -(-(1 << 20) // kern.time(
+        "analytic", repeats=2, cold=False).weight_bytes)
+
+
 def test_int8_activation_kernel_against_its_rounded_reference():
     k8 = explore.kernel("int4-g64", k=192, n=70, target="host", activations="int8")
     primitives = [step.primitive for step in k8.steps()]
