@@ -566,6 +566,7 @@ def trace_model(path, ids: np.ndarray, device) -> dict:
     import tvm
 
     from qtvm.runtime import Module
+    from relay_passes.outline_branches import is_branch_function
 
     module = Module(path)  # a CPU artefact's weights are arguments (qtvm.deploy.weights)
     if device.dlpack_device_type() != tvm.cpu().dlpack_device_type():
@@ -574,7 +575,7 @@ def trace_model(path, ids: np.ndarray, device) -> dict:
     calls, order = {}, []
 
     def instrument(func, symbol, before_run, ret, *args):
-        if not before_run and str(symbol).startswith("qmatmul"):
+        if not before_run and str(symbol).startswith("qmatmul") and not is_branch_function(str(symbol)):
             i = len(order)
             order.append(str(symbol))
             tensors = [a for a in args if hasattr(a, "numpy")]

@@ -14,9 +14,18 @@ impure call.
 """
 from __future__ import annotations
 
+import re
+
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
+
+_BRANCH_NAME = re.compile(r"_if\d+_(then|else)$")
+
+
+def is_branch_function(name: str) -> bool:
+    """Whether the function ``name`` is a branch this pass made (a trace of calls skips them)."""
+    return bool(_BRANCH_NAME.search(name))
 
 
 @mutator

@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from relay_passes.outline_branches import outline_branches
+from relay_passes.outline_branches import is_branch_function, outline_branches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +72,7 @@ def test_a_branch_made_a_function_runs_both_paths(dtype):
     out, count = outline_branches(mod)
     assert count == 1
     branch = next(f for gv, f in out.functions_items() if gv.name_hint == "main_if1_then")
+    assert [gv.name_hint for gv in out.functions if is_branch_function(gv.name_hint)] == ["main_if1_then"]
     assert "R.matmul" in branch.script() and "R.matmul" in out["main"].script()  # the one after the If stays
     run = _in_child(dtype, outline=True)
     assert run.returncode == 0, run.stderr[-2000:]
