@@ -14,17 +14,23 @@ def host_cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_identity(cpuinfo: str | None = None) -> str:
-    """Vendor, family, model and stepping of the first CPU: a VM's model name can be as vague as
-    'Intel(R) Xeon(R) Processor' for two generations, so a measurement records these too."""
+def _processor_fields(cpuinfo: str | None = None) -> list[dict[str, str]] | None:
+    """The fields of each processor block of /proc/cpuinfo (or of ``cpuinfo``); None where it
+    cannot be read."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
-            cpuinfo = ""
-    first = cpuinfo.strip().split("\n\n")[0]
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+            return None
+    return [{k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+            for block in cpuinfo.strip().split("\n\n")]
+
+
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """Vendor, family, model and stepping of the first CPU: a VM's model name can be as vague as
+    'Intel(R) Xeon(R) Processor' for two generations, so a measurement records these too."""
+    fields = (_processor_fields(cpuinfo) or [{}])[0]
     return (f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model "
             f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}")
 
@@ -40,15 +46,11 @@ def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) 
 
     if allowed is None:
         allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return max(1, len(allowed))
+    blocks = _processor_fields(cpuinfo)
+    if blocks is None:
+        return max(1, len(allowed))
     cores = set()
-    for block in cpuinfo.strip().split("\n\n"):
-        fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()))
+    for fields in blocks:
         if "processor" not in fields or int(fields["processor"]) not in allowed:
             continue
         cores.add((fields.get("physical id", "0"), fields.get("core id", fields["processor"])))
