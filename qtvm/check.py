@@ -190,6 +190,24 @@ def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, in
     return feeds
 
 
+def _given_dims(inputs: list[dict], feeds: dict) -> dict:
+    """The symbolic dims the given inputs' shapes fix (the other inputs are drawn at them)."""
+    dims, specs = {}, {i["name"]: i for i in inputs}
+    for name, value in feeds.items():
+        if name not in specs:
+            raise QtvmError(f"--input names '{name}', which the artefact does not take",
+                            f"its inputs are {sorted(specs)}")
+        shape = specs[name]["shape"]
+        if len(shape) != np.ndim(value):
+            raise QtvmError(f"--input {name} has {np.ndim(value)} dims; the artefact's '{name}' has {len(shape)}")
+        for d, size in zip(shape, np.shape(value)):
+            if isinstance(d, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", d):
+                if dims.setdefault(d, int(size)) != int(size):
+                    raise QtvmError(f"the given inputs bind dim '{d}' to both {dims[d]} and {size}",
+                                    "give inputs whose shapes agree")
+    return dims
+
+
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     if got.shape != want.shape:
         return float("inf")
@@ -218,6 +236,9 @@ def _ort_session(model, path=None):
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # leave the cores to qtvm
     opts.log_severity_level = 4  # its warnings are not the user's business here; its errors come back raised
+    # onnxruntime fuses a blocked DequantizeLinear -> MatMul into MatMulNBits at accuracy_level 4 by default
+    # (int8 activations: 1e-2 off the model's float product); the reference is the model's arithmetic
+    opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
 
     def session(source):
         try:
@@ -362,7 +383,10 @@ def _int8_activation_levels(model) -> list:
     """The ``accuracy_level`` attributes of ``model``'s MatMulNBits that ask onnxruntime for
     other than float32 activations (4: int8, onnxruntime-genai's CPU default; 0 and 1 are
     float32)."""
-    return [a for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"
+    from qtvm.frontend.onnx import graph_scopes
+
+    return [a for graph, _ in graph_scopes(model.graph) for n in graph.node
+            if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"
             for a in n.attribute if a.name == "accuracy_level" and a.i not in (0, 1)]
 
 
@@ -416,19 +440,21 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     tied = tied_dims(meta)
     dims = [d for d in _symbolic_dims(module.inputs) if d not in tied]
     rng_jitter = np.random.default_rng(seed + 1)
-    if feeds is not None:
+    given = _given_dims(module.inputs, feeds or {})
+    if feeds is not None and set(feeds) >= {i["name"] for i in module.inputs}:
         runs = [({}, feeds)]
     else:
         rng = np.random.default_rng(seed)
         if bindings is None:
-            bindings = _onnxruntime_prompt_rule(model, meta, default_bindings(dims))
-        bindings = [dict(b) for b in bindings]
+            free = [d for d in dims if d not in given]
+            bindings = _onnxruntime_prompt_rule(model, meta, default_bindings(free)) if free else [{}]
+        bindings = [{**given, **b} for b in bindings]
         for b in bindings:
             for name, expr in tied.items():
                 value = _evaluate(expr, b)
                 if name not in b and value is not None:
                     b[name] = value
-        runs = [(b, random_feeds(module.inputs, b, rng, int_high)) for b in bindings]
+        runs = [(b, {**random_feeds(module.inputs, b, rng, int_high), **(feeds or {})}) for b in bindings]
     for binding, feed in runs:
         want_float = _run(float_sess, feed, binding)
         got = module.run(feed)

@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind the symbolic dims (repeat for several bindings); default: every dim 1 "
                         "(the decode kernels) and three bindings of sizes 1, 3, 17")
     k.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
-                   help="use these inputs instead of random ones")
+                   help="use this array for input NAME (repeat for several); the others are drawn at "
+                   "random at the dims it fixes (all given: one run on them)")
     k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; for --act int8 artefacts 2x the largest flip "
                    "noise the report measures, at least 1e-3)")
     k.add_argument("--seed", type=int, default=0)

@@ -105,6 +105,22 @@ def model_of(layers, inputs, outputs, opsets=OPSETS) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
+def branchy_model(k: int = 70, n: int = 37):
+    """y = If(c, MatMulNBits(x) [int4, g16, accuracy_level 4], Gemm(x, DequantizeLinear(int4, g32)^T)), each
+    branch holding its own initializers, plus a top-level MatMulNBits feeding both (x2); the float64 weights."""
+    top_node, top_inits, w_top = matmul_nbits_layer("top", "x", "x2", k, k, 4, 32, "float", seed=5)
+    then_node, then_inits, w_then = matmul_nbits_layer("then_mm", "x2", "t", k, n, 4, 16, accuracy_level=4, seed=6)
+    else_nodes, else_inits, w_else = blocked_dq_layer("else_mm", "x2", "e", k, n, 32, signed=True, gemm=True, seed=7)
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", n])  # noqa: E731
+    then = helper.make_graph([then_node], "then", [], [out("t")], then_inits)
+    other = helper.make_graph(else_nodes, "else", [], [out("e")], else_inits)
+    graph = helper.make_graph(
+        [top_node, helper.make_node("If", ["c"], ["y"], name="branchy", then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", k]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])], [out("y")], top_inits)
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=10), w_top, w_then, w_else
+
+
 # -- onnxruntime's quantizers on the float MLP of tests/conftest.py ---------------------------------
 def ort_matmul_nbits(model: onnx.ModelProto, bits: int, block: int, symmetric: bool, qdq: bool = False):
     """onnxruntime's MatMulNBitsQuantizer (QOperator: MatMulNBits; QDQ: blocked DequantizeLinear)."""

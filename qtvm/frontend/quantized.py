@@ -1,7 +1,8 @@
 """Quantized ONNX in: the model's own quantized weights become qtvm packed kernels.
 
 Read, before TVM's importer runs (it has no MatMulNBits converter and ignores
-DequantizeLinear's ``block_size``):
+DequantizeLinear's ``block_size``), in the graph and in every If/Loop body (each
+in its own scope: onnxruntime's quantizer quantizes a merged decoder's branches too):
 
 - ``com.microsoft.MatMulNBits`` (onnxruntime's ``MatMulNBitsQuantizer``): B
   [N, k_blocks, block_size * bits / 8] uint8, codes packed low bits first along K;
@@ -45,7 +46,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.errors import QtvmError
-from qtvm.frontend.onnx import MappedWeights, tensor_array
+from qtvm.frontend.onnx import MappedWeights, graph_scopes, tensor_array
 from qtvm.formats.blockwise import BlockQuantized, PackedCodes, unpack_low_first
 
 MARKER_PREFIX = "qtvm_prequantized_"
@@ -84,13 +85,19 @@ class _Lowering:
             model, original = onnx.ModelProto(), model
             model.CopyFrom(original)
         self.model = model
-        self.graph = self.model.graph
-        self.inits = {t.name: t for t in self.graph.initializer}
         self.out = LoweredModel(self.model)
         self._arrays: dict[str, np.ndarray] = {}
         self._mapped = MappedWeights()  # stored codes stay the file's pages until re-laid
-        # Names read inside If/Loop bodies: such a tensor has uses this pass cannot rewrite.
-        self.in_subgraphs = {name for node in self.graph.node for g in _subgraphs(node) for name in _reads(g)}
+        self._enter(model.graph, {})
+
+    def _enter(self, graph: onnx.GraphProto, outer_inits: dict) -> None:
+        """Make ``graph`` (the model's, or an If/Loop body) the scope the helpers below read: its
+        nodes and outputs, its initializers and its enclosing graphs' (ONNX names are unique
+        across scopes, so a body reads an outer initializer by its name)."""
+        self.graph = graph
+        self.inits = {**outer_inits, **{t.name: t for t in graph.initializer}}
+        # Names read inside nested bodies: such a tensor has uses this scope's walk cannot rewrite.
+        self.in_subgraphs = {name for node in graph.node for g in _subgraphs(node) for name in _reads(g)}
 
     # -- helpers ---------------------------------------------------------------------------
     def array(self, name: str) -> np.ndarray | None:
@@ -112,7 +119,8 @@ class _Lowering:
         name = f"{MARKER_PREFIX}{len(self.out.weights)}"
         self.out.weights[name] = weight
         self.out.kinds[name] = kind
-        self.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(weight.shape)))
+        # A graph input of the model (a body reads it from its outer scope, as it reads x).
+        self.model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(weight.shape)))
         return name
 
     @staticmethod
@@ -254,9 +262,10 @@ class _Lowering:
             self.out.notes.append(f"stays in float: {name} ({reasons.pop()}; TVM runs it)")
             return False
         marker = self.add_marker(weight, "DequantizeLinear")
+        names = {id(n): _name(n, i) for i, n in enumerate(self.graph.node)}  # as ``summarize`` names them
         for consumer, i in uses:
             consumer.input[i] = marker
-            self.out.matmul_nodes.append(consumer.name or consumer.op_type)
+            self.out.matmul_nodes.append(names[id(consumer)])
         return True
 
     # -- MatMulInteger --------------------------------------------------------------------------
@@ -310,6 +319,20 @@ class _Lowering:
     def run(self, gptq=None) -> LoweredModel:
         self._dropped_outputs: set[str] = set()
         self._accuracy_levels: dict[int, list[str]] = {}  # MatMulNBits accuracy_level -> the nodes
+        self._lower_nodes()
+        for level, names in sorted(self._accuracy_levels.items()):  # one line a level, not one a node
+            which = f"MatMulNBits '{names[0]}'" if len(names) == 1 else f"{len(names)} MatMulNBits ('{names[0]}', ...)"
+            int8 = "; 4 asks for int8, as --act int8 does here" if level == 4 else ""
+            self.out.notes.append(f"{which}: accuracy_level={level} noted (onnxruntime's activation precision"
+                                  f"{int8}); qtvm's activations follow --act")
+        if gptq is not None:
+            gptq.apply(self)
+        self._drop_unused_initializers()
+        return self.out
+
+    def _lower_nodes(self) -> None:
+        """Rewrite the current scope's nodes, and each If/Loop body's first (in its own scope):
+        ORT's quantizer quantizes the matmuls inside branches too (e.g. a merged decoder's)."""
         new_nodes = []
         for index, original in enumerate(list(self.graph.node)):
             # A copy: consumers of a DequantizeLinear are renamed in the graph before the walk reaches them.
@@ -317,6 +340,11 @@ class _Lowering:
             node.CopyFrom(original)
             if node.op_type == "Cast" and node.output[0] in self._dropped_outputs:
                 continue
+            for body in _subgraphs(node):
+                scope = self.graph, self.inits, self.in_subgraphs
+                self._enter(body, self.inits)
+                self._lower_nodes()
+                self.graph, self.inits, self.in_subgraphs = scope
             if node.domain == MS_DOMAIN and node.op_type == "MatMulNBits":
                 replaced = self.matmul_nbits(node, index)
                 self.out.matmul_nodes.append(_name(node, index))
@@ -338,23 +366,15 @@ class _Lowering:
                 new_nodes.append(node)
         del self.graph.node[:]
         self.graph.node.extend(new_nodes)
-        for level, names in sorted(self._accuracy_levels.items()):  # one line a level, not one a node
-            which = f"MatMulNBits '{names[0]}'" if len(names) == 1 else f"{len(names)} MatMulNBits ('{names[0]}', ...)"
-            int8 = "; 4 asks for int8, as --act int8 does here" if level == 4 else ""
-            self.out.notes.append(f"{which}: accuracy_level={level} noted (onnxruntime's activation precision"
-                                  f"{int8}); qtvm's activations follow --act")
-        if gptq is not None:
-            gptq.apply(self)
-        self._drop_unused_initializers()
-        return self.out
 
     def _drop_unused_initializers(self):
-        used = {name for n in self.graph.node for name in n.input} | {o.name for o in self.graph.output}
-        used |= {name for n in self.graph.node for g in _subgraphs(n) for name in _reads(g)}
-        keep = [t for t in self.graph.initializer if t.name in used]
-        del self.graph.initializer[:]
-        self.graph.initializer.extend(keep)
-        if not any(n.domain == MS_DOMAIN for n in self.graph.node):
+        for graph, _ in graph_scopes(self.model.graph):
+            used = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+            used |= {name for n in graph.node for g in _subgraphs(n) for name in _reads(g)}
+            keep = [t for t in graph.initializer if t.name in used]
+            del graph.initializer[:]
+            graph.initializer.extend(keep)
+        if not any(n.domain == MS_DOMAIN for graph, _ in graph_scopes(self.model.graph) for n in graph.node):
             keep_ops = [o for o in self.model.opset_import if o.domain != MS_DOMAIN]
             del self.model.opset_import[:]
             self.model.opset_import.extend(keep_ops)
@@ -384,7 +404,7 @@ def has_quantized_weights(model: onnx.ModelProto) -> bool:
     """Cheap test: does the model hold anything ``lower_quantized`` reads?"""
     return any((n.domain == MS_DOMAIN and n.op_type == "MatMulNBits")
                or (n.domain in ("", "ai.onnx") and n.op_type in ("DequantizeLinear", "MatMulInteger"))
-               for n in model.graph.node)
+               for graph, _ in graph_scopes(model.graph) for n in graph.node)
 
 
 def lower_quantized(model: onnx.ModelProto, gptq=None, in_place: bool = False) -> LoweredModel:

@@ -14,7 +14,7 @@ import pytest
 from qtvm.errors import QtvmError
 from qtvm.frontend.quantized import lower_quantized
 from tests.conftest import mlp_model
-from tests.quantized_models import (OPSETS, blocked_dq_layer, matmul_nbits_layer, model_of, ort_dynamic,
+from tests.quantized_models import (OPSETS, blocked_dq_layer, branchy_model, matmul_nbits_layer, model_of, ort_dynamic,
                                     ort_matmul_nbits, ort_static_qdq)
 
 BATCHES = (1, 3, 64, 67)
@@ -349,3 +349,28 @@ def test_accuracy_levels_noted_once_a_level():
                      "activations follow --act",
                      "3 MatMulNBits ('l1', ...): accuracy_level=4 noted (onnxruntime's activation "
                      "precision; 4 asks for int8, as --act int8 does here); qtvm's activations follow --act"]
+
+
+# -- quantized weights inside If branches (onnxruntime's quantizer quantizes a merged decoder's branches) --
+def test_quantized_weights_inside_if_branches_run_on_packed_kernels(tmp_path):
+    """TVM's importer has no MatMulNBits and ignores block_size: a branch's quantized weights were
+    left to it ("Operator MatMulNBits not implemented"); now each branch is lowered in its own
+    scope, its markers read from the outer graph, and its unused codes dropped."""
+    from qtvm.frontend.onnx import graph_scopes
+
+    model, w_top, w_then, w_else = branchy_model()
+    lowered = lower_quantized(model)
+    scopes = [g for g, _ in graph_scopes(lowered.model.graph)]
+    assert len(scopes) == 3 and len(lowered.weights) == 3
+    assert not {n.op_type for g in scopes for n in g.node} & {"MatMulNBits", "DequantizeLinear"}
+    assert not [t.name for g in scopes[1:] for t in g.initializer]  # the branches' codes went with their nodes
+    assert all(o.domain != "com.microsoft" for o in lowered.model.opset_import)
+    onnx.checker.check_model(lowered.model)
+    module, result = compile_and_load(model, tmp_path)
+    assert result.metadata["prequantized_matmuls"] == 3
+    assert not any("left in float" in n for n in result.notes), result.notes
+    for flag, w in ((True, w_then), (False, w_else)):
+        for b in (1, 3):
+            x = np.random.default_rng(b).standard_normal((b, 70))
+            got = module.run({"x": x.astype(np.float32), "c": np.array(flag)})["y"]
+            assert rel(got, x @ w_top @ w) < 2e-6, (flag, b)
