@@ -511,9 +511,9 @@ class Kernel:
 
         threads = threads or physical_cores()
         if bandwidth_gbps is None:
-            from qtvm.bench.bandwidth import BandwidthProbe, l3_cache_bytes
+            from qtvm.bench.bandwidth import BandwidthProbe
 
-            probe = BandwidthProbe(max(8 * l3_cache_bytes(), 256 << 20))
+            probe = BandwidthProbe()  # its default buffer: 8x the L3, at least 512 MiB
             bandwidth_gbps = probe.measure(threads, repeats=3)
             del probe
         timings = timings if timings is not None else [self.time("analytic")]

@@ -5,10 +5,10 @@ MetaSchedule's ``LocalRunner`` calls a kernel with the same arguments every time
 a GEMV's weights sit in the last-level cache and its latency says how fast it
 computes, not how well it streams from DRAM: it cannot find the prefetch distance or
 the column split a memory-bound kernel needs.  :class:`ColdRunner` builds enough
-copies of a kernel's arguments that together they exceed ``L3_MULTIPLE`` x the L3
-(and ``min_total_bytes``), and calls the kernel on them in turn, so every timed call
-reads its weights from DRAM (as ``qtvm.bench.harness.time_rotating`` does for the
-benchmarks).  Each result is the median per-call time of a round over the copies;
+copies of a kernel's arguments that together they exceed 4x the L3 (and
+``min_total_bytes``; at most ``MAX_COPIES``), and calls the kernel on them in turn, so
+every timed call reads its weights from DRAM (as ``qtvm.bench.harness.time_rotating``
+does for the benchmarks).  Each result is the median per-call time of a round over the copies;
 ``rounds`` rounds give a candidate's ``run_secs``.
 
 Kernels run in this process, on TVM's thread pool (every core, or
@@ -30,10 +30,14 @@ import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from qtvm.bench.harness import rotation_count
 from qtvm.errors import QtvmError
 
-L3_MULTIPLE = 4
 MIN_TOTAL_BYTES = 256 << 20
+#: At most this many copies: a kernel under 4x the L3 / MAX_COPIES (940 KB on a 480 MiB L3) rotates over
+#: fewer bytes than the L3 and is timed partly cache-resident. Making and touching 100k copies of a tiny
+#: kernel for a 480 MiB L3 took 5 minutes a candidate; what such a kernel streams is not what tuning weighs.
+MAX_COPIES = 2048
 MACHINE_FILE = "qtvm_machine.json"
 RUNNER_NAME = "cold-weights"
 
@@ -85,7 +89,7 @@ class ColdRunner(ms.runner.PyRunner):
             self._copies.clear()  # one workload's copies at a time
             per_copy = sum(int(np.prod([int(d) for d in a.shape])) * tvm.DataType(str(a.dtype)).bits // 8
                            for a in args_info)
-            n = max(2, -(-max(L3_MULTIPLE * self.l3, self.min_total_bytes) // max(per_copy, 1)))
+            n = min(MAX_COPIES, rotation_count(max(per_copy, 1), self.min_total_bytes, l3_bytes=self.l3))
             rng = np.random.default_rng(0)
             first = [_random_tensor(a, rng) for a in args_info]
             self._copies[key] = [first] + [[tvm.runtime.tensor(t.numpy()) for t in first] for _ in range(n - 1)]

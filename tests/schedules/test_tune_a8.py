@@ -182,7 +182,7 @@ def test_a_database_of_another_cpu_is_refused(tmp_path):
     assert tune_runner.machine_note(db_dir).startswith("warning:")
 
 
-def test_cold_runner_rotates_more_than_the_cache(target):
+def test_cold_runner_rotates_more_than_the_cache(target, monkeypatch):
     fmt = get_format(PRESET)
     func = ops.qmatmul_a8_func(fmt, K, N, NB)
     from schedules import compile_kernel
@@ -194,5 +194,11 @@ def test_cold_runner_rotates_more_than_the_cache(target):
     assert len(secs) == 3 and all(s > 0 for s in secs)
     (copies,) = runner._copies.values()
     per_copy = sum(t.numpy().nbytes for t in copies[0])
-    assert len(copies) * per_copy >= max(tune_runner.L3_MULTIPLE * (1 << 18), 1 << 20)
+    assert len(copies) * per_copy >= max(4 * (1 << 18), 1 << 20)
     assert copies[1][3].numpy().ctypes.data != copies[0][3].numpy().ctypes.data
+    # A large L3 (480 MiB on one Xeon VM) over a small kernel: the copies stop at MAX_COPIES (100k of them,
+    # made and touched, took 5 minutes a candidate)
+    monkeypatch.setattr(tune_runner, "MAX_COPIES", 7)
+    big = tune_runner.ColdRunner(rounds=1, calls_per_round=2, l3_bytes=480 << 20)
+    assert len(big.time_function(lib["main"], info)) == 1
+    assert [len(c) for c in big._copies.values()] == [7]
