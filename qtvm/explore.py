@@ -513,7 +513,7 @@ class Kernel:
         if bandwidth_gbps is None:
             from qtvm.bench.bandwidth import BandwidthProbe
 
-            probe = BandwidthProbe()  # its default buffer: 8x the L3, at least 512 MiB
+            probe = BandwidthProbe()  # its default buffer, as qtvm bench's: 2x the L3, at least 512 MiB
             bandwidth_gbps = probe.measure(threads, repeats=3)
             del probe
         timings = timings if timings is not None else [self.time("analytic")]

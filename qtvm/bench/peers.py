@@ -619,7 +619,7 @@ def benchmark_peers(
     probes_by_shape: dict[str, list[float]] = {}
     peer_kwargs = dict(peer_kwargs or {})
     if probe_bytes is None:
-        probe_bytes = max(2 * bandwidth.l3_cache_bytes(), 512 << 20)
+        probe_bytes = bandwidth.default_buffer_bytes()
     from qtvm import hugepages
 
     probe = bandwidth.BandwidthProbe(probe_bytes, huge_pages=hugepages.enabled())  # the weights' pages

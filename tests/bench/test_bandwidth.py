@@ -14,7 +14,7 @@ def test_l3_cache_bytes_matches_sysfs():
     p = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
     if p.exists():
         assert l3 == bandwidth._parse_size(p.read_text())
-    assert bandwidth.default_buffer_bytes() >= max(8 * l3, 512 << 20)
+    assert bandwidth.default_buffer_bytes() == max(2 * l3, 512 << 20)
 
 
 @pytest.mark.parametrize("text,expected", [("32768K", 32 << 20), ("491520K", 480 << 20), ("8M\n", 8 << 20), ("1024", 1024)])
