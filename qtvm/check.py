@@ -481,10 +481,13 @@ QDQ_NOTE = ("; the model's own activation quantizers (QuantizeLinear, DynamicQua
 
 def _half_precision(model) -> tuple[str, float] | None:
     """(type name, epsilon) of the coarsest half precision float type ``model`` stores or casts
-    to (its inputs, outputs, initializers, Cast nodes), None for a float32 model."""
+    to (its inputs, outputs, initializers and Cast nodes, If/Loop bodies' too), None for a float32 model."""
+    from qtvm.frontend.onnx import graph_scopes
+
+    graphs = [g for g, _ in graph_scopes(model.graph)]
     types = {v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
-    types |= {t.data_type for t in model.graph.initializer}
-    types |= {a.i for n in model.graph.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"}
+    types |= {t.data_type for g in graphs for t in g.initializer}
+    types |= {a.i for g in graphs for n in g.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"}
     found = [HALF_TYPES[t] for t in types if t in HALF_TYPES]
     return max(found, key=lambda h: h[1]) if found else None
 

@@ -502,3 +502,18 @@ def test_blocked_int4_dequantize_along_k_is_checked_at_float_activations(tmp_pat
     assert run.returncode == 0, run.stderr
     report = check(str(model), str(art))
     assert report.ok and max(r.err_own for r in report.rows) < 1e-5, format_report(report)
+
+
+def test_half_precision_found_inside_branches():
+    """A float32 model whose If branch computes in float16 gets float16's tolerance floor (a Cast or a
+    float16 initializer only inside the branch was not seen)."""
+    from qtvm.check import _half_precision
+
+    model = _branch_model(TensorProto.FLOAT)
+    assert _half_precision(model) is None
+    then = next(a.g for a in model.graph.node[1].attribute if a.name == "then_branch")
+    then.node.append(helper.make_node("Cast", ["t"], ["t16"], to=TensorProto.FLOAT16))
+    assert _half_precision(model)[0] == "float16"
+    del then.node[-1]
+    then.initializer.append(numpy_helper.from_array(np.zeros(2, np.float16), "h"))
+    assert _half_precision(model)[0] == "float16"
