@@ -1,14 +1,16 @@
 """``qtvm compile --quant gptq:<uniform preset> --calib FILE``: GPTQ as a compile option.
 
 The model's float MatMul/Gemm weights (``qtvm.report.constant_weights``: the rule the
-reference and the quantize report use) are GPTQ-quantized
+reference and the quantize report use), those a MatMul/Gemm reads as B itself, are GPTQ-quantized
 (``qtvm.formats.gptq.gptq_quantize``) on calibration activations: each layer's
 input, collected from one onnxruntime run of the float model on the calibration
 inputs (``qtvm.report.collect_layer_inputs``). The results are written as a GPTQ
 checkpoint (AutoGPTQ layout, one layer per weight initializer, named after it) and
 compiled exactly as ``--gptq CKPT`` is: the same repacking and kernels, so a layer's
 codes are the GPTQ codes and nothing is quantized twice (the temporary checkpoint keeps
-float32 scales and zero points as they are: ``gptq_v2``).
+float32 scales and zero points as they are: ``gptq_v2``). A weight behind a Transpose
+(a dynamo export's tied lm_head) has no initializer name a checkpoint layer could match:
+it is quantized by the preset, as any float weight the checkpoint leaves.
 
 Calibration file: ``.npz`` with one array per model input (by name), or ``.npy`` for
 a model with one input. Every position of every row is a calibration sample.
@@ -79,15 +81,15 @@ def write_calibrated_checkpoint(model, quant: str, calib_path, out_path) -> list
 
     fmt = base_format(quant)
     feeds = load_calibration(calib_path, model)
-    weights = constant_weights(model)
+    # the checkpoint names initializers read as B itself (a tied lm_head behind a Transpose is left to --quant)
+    weights = [w for w in constant_weights(model) if w.direct]
     _, acts = collect_layer_inputs(model, feeds, weights)
-    inits = {t.name: t for t in model.graph.initializer}
     layers = {}
     for w in weights:
         x = acts.get(w.init_name)
         if x is None or len(x) == 0:
             raise QtvmError(f"no calibration activations reach {_what(w)}", "pass inputs that reach every layer")
-        layers[w.init_name] = gptq_quantize(_kn(inits, w), x, fmt, name=_what(w))
+        layers[w.init_name] = gptq_quantize(_kn(w), x, fmt, name=_what(w))
     write_autogptq(out_path, layers, "gptq_v2", scale_dtype=np.float32)  # zero points as is, scales exact
     samples = sorted({len(a) for a in acts.values()})
     return [f"GPTQ ({fmt.name}) on {len(layers)} weights, calibrated on {samples[0]}"

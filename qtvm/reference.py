@@ -11,18 +11,6 @@ from qtvm.formats import QuantFormat
 from qtvm.formats.base import add_csr
 
 
-def _weight_inputs(model: onnx.ModelProto):
-    """(initializer, transposed) for each MatMul/Gemm whose B is an initializer."""
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
-            continue
-        if node.input[1] not in inits:
-            continue
-        trans_b = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
-        yield inits[node.input[1]], trans_b
-
-
 class UnmodelledRounding(Exception):
     """The int8-activation reference cannot express this graph's rounding (the caller
     falls back to the fp32-activation reference and its looser bound)."""
@@ -31,7 +19,8 @@ class UnmodelledRounding(Exception):
 JITTER_INPUT = "qtvm_jitter/"  # name prefix of the jitter inputs ``dequantized_model(..., jitter=True)`` adds
 
 
-def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None, jitter: bool = False) -> onnx.ModelProto:
+def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None, jitter: bool = False,
+                      quantized: dict | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose constant matmul weights went through ``fmt``.
 
     Each weight matmul (``qtvm.frontend.onnx.weight_sources``, the quantizer's rule) reads
@@ -48,6 +37,8 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     ``JITTER_INPUT<n>`` of shape [K] (fed 1 + small noise, as a different float summation
     order perturbs x; all ones give the plain reference): the difference it makes is what the
     rounding steps that move with the last bits cost this model.
+    ``quantized``: QuantizedTensors already made, by (weight name, read transposed) (the quantize
+    report's, e.g. GPTQ's); the other weights go through ``fmt``.
     """
     from qtvm.frontend.onnx import graph_scopes, weight_sources
 
@@ -68,7 +59,7 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
             direct.setdefault(src.name, set()).add(_trans_b(src.node))
             direct_reads[src.name] = direct_reads.get(src.name, 0) + 1
     made: dict[tuple, str] = {}
-    quantized: dict[tuple, object] = {}  # (name, transposed) -> QuantizedTensor
+    quantized = dict(quantized or {})  # (name, transposed) -> QuantizedTensor
     before: dict[tuple, list] = {}  # (id of a graph, node index) -> nodes to insert ahead of it
     after: dict[tuple, list] = {}
     rounder = _Rounder(out, before, jitter) if int8_facts is not None else None

@@ -253,55 +253,54 @@ def resolve_presets(names) -> list[_Preset]:
 # -- the model's weights ---------------------------------------------------------------------
 @dataclass
 class _Weight:
-    init_name: str
+    init_name: str  # the stored tensor's name: an initializer's, or a Constant node's output
     nodes: list[str]
     act_inputs: list[tuple[str, bool]]  # (node input A, transA)
-    trans_b: bool
+    trans_b: bool  # stored [N, K]: Gemm transB, or a Transpose on the way (a tied lm_head)
     k: int
     n: int
+    tensor: object = None  # the onnx.TensorProto holding it, as stored
+    direct: bool = True  # every consumer reads the initializer itself as B (what a GPTQ checkpoint can name)
 
 
 def constant_weights(model) -> list[_Weight]:
-    """The weights ``qtvm.reference.dequantized_model`` replaces, with their consumers.
+    """The float32 weights the compiler quantizes (``qtvm.frontend.onnx.weight_sources``: through
+    Transposes and Constant nodes too, as ``qtvm.reference.dequantized_model``) in the model's own
+    graph (the report reads each layer's input as a graph output), with their consumers.
 
     Raises QtvmError when there are none, or when one holds NaN/Inf (naming it).
     """
     import onnx
 
     from qtvm.formats.base import check_weight
-    from qtvm.frontend.onnx import tensor_array
-    from qtvm.reference import _weight_inputs
+    from qtvm.frontend.onnx import tensor_array, weight_sources
 
-    # The same rule as qtvm.reference: one (initializer, transB) per qualifying node, in node order.
-    pairs = list(_weight_inputs(model))
-    names = {t.name for t, _ in pairs}
-    consumers = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx")
-                 and len(n.input) > 1 and n.input[1] in names]
+    inits = {t.name for t in model.graph.initializer}
     by_name: dict[str, _Weight] = {}
-    for i, ((init, trans_b), node) in enumerate(zip(pairs, consumers)):
-        assert node.input[1] == init.name, "qtvm.reference._weight_inputs changed its rule"
-        node_name = node.name or f"{node.op_type}_{i}"
+    for src in weight_sources(model, [(model.graph, ())]):
+        node = src.node
+        node_name = node.name or f"{node.op_type}_{src.index}"
         trans_a = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
-        if init.name in by_name:  # shared: quantized once (as its first consumer sees it), calibrated by all
-            if by_name[init.name].trans_b == trans_b:
-                by_name[init.name].nodes.append(node_name)
-                by_name[init.name].act_inputs.append((node.input[0], trans_a))
+        direct = src.name == node.input[1] and src.name in inits
+        if src.name in by_name:  # shared: quantized once (as its first consumer sees it), calibrated by all
+            w = by_name[src.name]
+            if w.trans_b == src.transposed:
+                w.nodes.append(node_name)
+                w.act_inputs.append((node.input[0], trans_a))
+                w.direct = w.direct and direct
             continue
-        if len(init.dims) != 2 or init.data_type != onnx.TensorProto.FLOAT:  # as dequantized_model
+        if len(src.tensor.dims) != 2 or src.tensor.data_type != onnx.TensorProto.FLOAT:
             continue
-        k, n = (init.dims[1], init.dims[0]) if trans_b else (init.dims[0], init.dims[1])
-        by_name[init.name] = _Weight(init.name, [node_name], [(node.input[0], trans_a)], trans_b, int(k), int(n))
+        rows, cols = (int(d) for d in src.tensor.dims)
+        k, n = (cols, rows) if src.transposed else (rows, cols)
+        by_name[src.name] = _Weight(src.name, [node_name], [(node.input[0], trans_a)], src.transposed, k, n,
+                                    src.tensor, direct)
     if not by_name:
-        consts = {n.output[0] for n in model.graph.node if n.op_type == "Constant"}
-        from_const = sum(1 for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
-                         and n.input[1] in consts)
-        hint = (f"{from_const} MatMul/Gemm take their weight from Constant nodes: store them as initializers"
-                if from_const else "export with constant folding so Linear weights become MatMul/Gemm initializers")
-        raise QtvmError("the model has no MatMul/Gemm with a constant float32 2-D weight initializer, so there is "
-                        "nothing to quantize", hint)
-    inits = {t.name: t for t in model.graph.initializer}
+        raise QtvmError("the model has no MatMul/Gemm with a constant float32 2-D weight, so there is nothing "
+                        "to quantize", "export with constant folding so Linear weights become MatMul/Gemm "
+                        "initializers")
     for w in by_name.values():
-        check_weight(tensor_array(inits[w.init_name]), _what(w))
+        check_weight(tensor_array(w.tensor), _what(w))
     return list(by_name.values())
 
 
@@ -309,12 +308,12 @@ def _what(w: _Weight) -> str:
     return f"weight '{w.init_name}' of {w.nodes[0]}"
 
 
-def _kn(model_inits: dict, w: _Weight):
+def _kn(w: _Weight):
     import numpy as np
 
     from qtvm.frontend.onnx import tensor_array
 
-    a = tensor_array(model_inits[w.init_name]).astype(np.float32, copy=False)
+    a = tensor_array(w.tensor).astype(np.float32, copy=False)
     return np.ascontiguousarray(a.T if w.trans_b else a)
 
 
@@ -483,9 +482,9 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
     """
     import numpy as np
     import onnx
-    from onnx import numpy_helper
 
     from qtvm.frontend.onnx import load_onnx
+    from qtvm.reference import dequantized_model
 
     label = "<in-memory model>"
     if not isinstance(model, onnx.ModelProto):
@@ -496,8 +495,7 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
     separate = (calib is None) == (inputs is None)  # both given, or both synthetic
     feeds, inputs_desc = prepare_inputs(model, inputs if inputs is not None else calib, seed)
     cal_feeds, cal_desc = prepare_inputs(model, calib, seed + 1) if separate else (feeds, "same as inputs")
-    inits = {t.name: t for t in model.graph.initializer}
-    float_w = {w.init_name: _kn(inits, w) for w in weights}
+    float_w = {w.init_name: _kn(w) for w in weights}
 
     acts = {}
     if any(p.calibrated for p in chosen):
@@ -511,9 +509,7 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
 
     for p in chosen:
         start = time.perf_counter()
-        qmodel = onnx.ModelProto()
-        qmodel.CopyFrom(model)
-        qinits = {t.name: t for t in qmodel.graph.initializer}
+        made = {}
         stored_bits = abs_sum = 0.0
         fro, max_abs = [], 0.0
         for w in weights:
@@ -533,8 +529,10 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
             abs_sum += float(absd.sum())
             fro.append(rel)
             max_abs = max(max_abs, row.max_abs_err)
-            stored = np.ascontiguousarray(deq.T if w.trans_b else deq)
-            qinits[w.init_name].CopyFrom(numpy_helper.from_array(stored, w.init_name))
+            made[w.init_name, w.trans_b] = qt
+        # the compiled model's weights (the reference's rule: a tied embedding table stays float, the
+        # If branches' and half precision weights are quantized by the format)
+        qmodel = dequantized_model(model, p.fmt, quantized=made)
         got = _run(_session(qmodel), feeds, f"{p.name} model")
         del qmodel
         if keep_outputs:
