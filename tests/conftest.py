@@ -106,11 +106,17 @@ def hf_dir(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def hf_model(hf_dir):
-    """hf_model(family, exporter, kv=False) -> ONNX path, exported once per session."""
+def hf_model(hf_dir, tmp_path_factory):
+    """hf_model(family, exporter, kv=False) -> ONNX path, exported once per run: pytest-xdist's
+    workers share one directory (``cached_export`` locks each file), so a family is exported once,
+    not once a worker (60-odd exports of 5-7 s)."""
     from tests.frontend.transformers_exports import cached_export
 
-    return lambda family, exporter, kv=False, mask=True: cached_export(hf_dir, family, exporter, kv, mask)
+    directory = hf_dir
+    if not os.environ.get("QTVM_TEST_EXPORTS") and os.environ.get("PYTEST_XDIST_WORKER"):
+        directory = tmp_path_factory.getbasetemp().parent / "hf_exports_shared"  # the run's, above each worker's
+        directory.mkdir(exist_ok=True)
+    return lambda family, exporter, kv=False, mask=True: cached_export(directory, family, exporter, kv, mask)
 
 
 @pytest.fixture(scope="session")

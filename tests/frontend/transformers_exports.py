@@ -215,9 +215,13 @@ def cached_export(directory: str | os.PathLike, family: str, exporter: str, kv: 
     import torch
     import transformers
 
+    import fcntl
+
     key = hashlib.sha256(f"{torch.__version__} {transformers.__version__} v1".encode()).hexdigest()[:10]
     path = pathlib.Path(directory) / f"hf_{family}_{exporter}{'_kv' if kv else ''}{'' if mask else '_ids'}_{key}.onnx"
-    return path if path.exists() else export(family, exporter, path, kv, mask)
+    with open(f"{path}.lock", "w") as lock:  # test workers may share the directory: one exports, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return path if path.exists() else export(family, exporter, path, kv, mask)
 
 
 def export_with_position_ids(family: str, directory: str | os.PathLike) -> pathlib.Path:
