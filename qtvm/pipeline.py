@@ -329,7 +329,15 @@ def compile_relax(mod, target: tvm.target.Target, lifted: list | None = None):
     if lifted is not None:
         pipeline = tvm.transform.Sequential([relax.get_pipeline(pipeline) if isinstance(pipeline, str) else pipeline,
                                              _lift_weights_pass(lifted)])
-    return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline(target))
+    try:
+        return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline(target))
+    except tvm.error.InternalError as e:
+        if "CodeGenVM cannot emit" not in str(e):
+            raise
+        call = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "an operator")
+        raise QtvmError(f"TVM left {call} without a kernel: its input shapes were not inferred (TVM's importer "
+                        "converts If branches without qtvm's symbolic shape folding)",
+                        "compile the model exported without the If, or report it with the model attached") from None
 
 
 def _lift_weights_pass(lifted: list):

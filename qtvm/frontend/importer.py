@@ -12,6 +12,7 @@ of its inputs.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -406,18 +407,36 @@ def _tvm_import(model: onnx.ModelProto) -> tvm.IRModule:
     symbolic shape folding); its failures still come back as one sentence."""
     from qtvm.quiet import tvm_output_captured
 
-    try:
-        with tvm_output_captured():
+    failure = None
+    with tvm_output_captured():
+        try:
             mod = relax.frontend.onnx.from_onnx(model, keep_params_in_input=False)
-    except Exception as e:
-        if os.environ.get("QTVM_DEBUG"):
-            raise
-        last = next((line for line in reversed(str(e).strip().splitlines()) if line.strip()), type(e).__name__)
-        raise QtvmError(f"TVM's ONNX importer failed on this graph with control flow: {last.strip()[:300]}",
-                        _FIX) from None
+        except Exception as e:
+            if os.environ.get("QTVM_DEBUG"):
+                raise
+            failure = next((line for line in reversed(str(e).strip().splitlines()) if line.strip()), type(e).__name__)
+        if failure is not None:  # the failed import's BlockBuilder logs "destroyed with remaining blocks" as it goes
+            gc.collect()
+    if failure is not None:
+        raise QtvmError(f"TVM's ONNX importer failed on this graph with control flow: {failure.strip()[:300]}",
+                        _control_flow_fix(model))
     no_dims = json.dumps([None] * len(model.graph.output))
     mod["main"] = mod["main"].with_attrs({LIMITS_ATTR: "{}", OUTPUT_DIMS_ATTR: no_dims, ZERO_ATTR: "[]"})
     return mod
+
+
+def _control_flow_fix(model: onnx.ModelProto) -> str:
+    """The fix for a graph TVM's importer could not convert: where an If tests a model input and
+    a branch holds shape arithmetic (optimum's merged decoder: the whole decoder in each
+    branch of ``use_cache_branch``), TVM converts branches without qtvm's symbolic shape
+    folding, so a graph without the If (the decoder exported on its own) is the way in."""
+    inputs = {i.name for i in model.graph.input}
+    conds = sorted({n.input[0] for n in model.graph.node if n.op_type == "If" and n.input[0] in inputs})
+    if not conds:
+        return _FIX
+    return (f"TVM converts the branches of the If on input {', '.join(repr(c) for c in conds)} without qtvm's "
+            "symbolic shape folding; where a branch holds a whole model (a merged decoder), compile the model "
+            "exported without the If (decoder_model.onnx, decoder_with_past_model.onnx)")
 
 
 def import_facts(mod: tvm.IRModule) -> dict:
