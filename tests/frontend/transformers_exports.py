@@ -11,6 +11,7 @@ transformers versions.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -214,8 +215,6 @@ def cached_export(directory: str | os.PathLike, family: str, exporter: str, kv: 
     transformers versions, so a persistent directory never serves a stale export."""
     import torch
     import transformers
-
-    import fcntl
 
     key = hashlib.sha256(f"{torch.__version__} {transformers.__version__} v1".encode()).hexdigest()[:10]
     path = pathlib.Path(directory) / f"hf_{family}_{exporter}{'_kv' if kv else ''}{'' if mask else '_ids'}_{key}.onnx"
