@@ -411,10 +411,7 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
 
     module = runtime.load(artefact)
     meta = module.metadata
-    model_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
-    if model_inputs != [i["name"] for i in module.inputs]:
-        raise QtvmError(f"the artefact takes inputs {[i['name'] for i in module.inputs]} but the model "
-                        f"takes {model_inputs}", "pass the model the artefact was compiled from")
+    bound, unread = _bound_inputs(model, meta, [i["name"] for i in module.inputs])
     ref_model, reference, default_tol = _dequantized_reference(model, meta)
     quantizers = _activation_quantizers(ref_model) if default_tol == FP32_TOLERANCE else []
     if quantizers:
@@ -456,10 +453,11 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
                     b[name] = value
         runs = [(b, {**random_feeds(module.inputs, b, rng, int_high), **(feeds or {})}) for b in bindings]
     for binding, feed in runs:
-        want_float = _run(float_sess, feed, binding)
+        model_feed = {**feed, **bound, **_unread_feeds(unread, binding)}
+        want_float = _run(float_sess, model_feed, binding)
         got = module.run(feed)
-        want_ref = _run(ref_sess, {**feed, **no_jitter}, binding)
-        noise = _flip_noise(ref_sess, feed, jitter_inputs, want_ref, rng_jitter, jitters) if jitter_inputs else {}
+        want_ref = _run(ref_sess, {**model_feed, **no_jitter}, binding)
+        noise = _flip_noise(ref_sess, model_feed, jitter_inputs, want_ref, rng_jitter, jitters) if jitter_inputs else {}
         for name, value in got.items():
             report.rows.append(OutputCheck(binding, name, tuple(value.shape), _rel(value, want_float[name]),
                                            _rel(value, want_ref[name]), noise.get(name)))
@@ -473,6 +471,38 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
                        + f"{FLIP_FACTOR:g} x the largest flip noise: the error of the reference with its rounded "
                        f"inputs jittered by up to 2^{round(np.log2(max(jitters)))})")
     return report
+
+
+def _bound_inputs(model, meta: dict, artefact_inputs: list[str]) -> tuple[dict, list]:
+    """The values the artefact was compiled with bound (``--bind``), as onnxruntime is fed them,
+    and the model inputs the binding left unread (the branch not taken's), as ValueInfos. The
+    artefact must take the model's other inputs, in order."""
+    from qtvm.frontend.bind import bound_value
+
+    inits = {t.name for t in model.graph.initializer}
+    specs = [vi for vi in model.graph.input if vi.name not in inits]
+    texts = meta.get("bound_inputs", {})
+    bound = {vi.name: bound_value(vi, texts[vi.name]) for vi in specs if vi.name in texts}
+    rest = [vi for vi in specs if vi.name not in texts]
+    unread = [vi for vi in rest if vi.name not in artefact_inputs] if texts else []
+    if [vi.name for vi in rest if vi not in unread] != artefact_inputs or any(isinstance(v, str) for v in bound.values()):
+        raise QtvmError(f"the artefact takes inputs {artefact_inputs} but the model takes {[vi.name for vi in specs]}"
+                        + (f" (bound: {', '.join(texts)})" if texts else ""),
+                        "pass the model the artefact was compiled from")
+    return bound, unread
+
+
+def _unread_feeds(unread: list, binding: dict) -> dict:
+    """Inputs only the branch not taken reads: zeros of their rank (a dim the binding does not
+    size is 0), which onnxruntime needs and never reads."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    feeds = {}
+    for vi in unread:
+        dims = vi.type.tensor_type.shape.dim
+        shape = [d.dim_value if d.HasField("dim_value") else (_evaluate(d.dim_param, binding) or 0) for d in dims]
+        feeds[vi.name] = np.zeros(shape, tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+    return feeds
 
 
 QDQ_NOTE = ("; the model's own activation quantizers (QuantizeLinear, DynamicQuantizeLinear) round too, so "

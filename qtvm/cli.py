@@ -16,6 +16,7 @@ EXIT_INTERNAL = 3
 
 
 def _cmd_compile(args) -> int:
+    from qtvm.frontend.bind import parse_bind_options
     from qtvm.frontend.onnx import parse_dim_options
     from qtvm.pipeline import compile_model
     from qtvm.quiet import tvm_output_captured
@@ -26,7 +27,8 @@ def _cmd_compile(args) -> int:
         result = compile_model(args.model, args.output, args.target, args.quant, args.act, args.db, args.gptq,
                                args.gptq_format, getattr(args, "calib", None), host=args.host, cross_cc=args.cross_cc, progress=step,
                                max_length=args.max_length, max_batch=args.max_batch, kv_step=not args.no_kv_step,
-                               dims=parse_dim_options(args.dim), kv_cache=args.kv_cache)
+                               dims=parse_dim_options(args.dim), kv_cache=args.kv_cache,
+                               binds=parse_bind_options(args.bind))
     meta = result.metadata
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.1f} s")
     print(f"target: {meta['target']}")
@@ -232,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an input dim the exporter named on its own, restated as an expression of the "
                         "other dims (e.g. --dim s53='past + seq' for a dynamo export's attention-mask length); "
                         "the runtime checks inputs against it. Repeat for several")
+    c.add_argument("--bind", action="append", default=[], metavar="NAME=VALUE",
+                   help="fix an input of fixed shape at compile time; an If on it becomes the branch it takes "
+                        "(e.g. --bind use_cache_branch=1 for a merged decoder: its with-past decoder, run from a "
+                        "past of length 0 on the first step). Repeat for several")
     c.add_argument("-o", "--output", required=True, help="artefact path (.so)")
     _add_deploy_arguments(c)
     c.set_defaults(fn=_cmd_compile)
@@ -293,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill kernels; compile with the same --act to use the database)")
     t.add_argument("--dim", action="append", default=[], metavar="NAME=EXPR",
                    help="as `qtvm compile --dim`: an input dim the exporter named on its own, restated")
+    t.add_argument("--bind", action="append", default=[], metavar="NAME=VALUE",
+                   help="as `qtvm compile --bind`: an input fixed at compile time (e.g. use_cache_branch=1)")
     t.add_argument("--quiet", action="store_true", help="no per-batch progress lines")
     _add_deploy_arguments(t)
     t.add_argument("--rpc", metavar="HOST:PORT", help="measure on the RPC servers registered with this TVM tracker "

@@ -17,7 +17,8 @@ from qtvm.errors import QtvmError
 # Keys the summary lays out itself; any other key is listed under "other".
 _KNOWN = {"format", "activations", "target", "required_cpu_flags", "inputs", "outputs", "quantized_matmuls",
           "packed_bytes", "float_weight_bytes", "layers", "prequantized_matmuls", "prequantized",
-          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero", "kv_step", "combined_matmuls"}
+          "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero", "kv_step", "combined_matmuls",
+          "bound_inputs"}
 # Metadata keys naming the GPU architecture a device artefact needs (the GPU targets add one).
 GPU_ARCH_KEYS = ("required_gpu_arch", "gpu_arch", "cuda_arch", "sm")
 
@@ -114,6 +115,9 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
     ins = ", ".join(f"{s['name']}: {_dims(s)}" for s in meta.get("inputs", []))
     outs = ", ".join(f"{s['name']}: {_dims(s)}" for s in meta.get("outputs", []))
     rows.append(("signature", f"main({ins}) -> {outs}"))
+    if meta.get("bound_inputs"):
+        bound = ", ".join(f"{k}={v}" for k, v in meta["bound_inputs"].items())
+        rows.append(("bound inputs", f"{bound} (fixed at compile time by --bind; not inputs of main)"))
     symbols = sorted({d for s in meta.get("inputs", []) for d in s["shape"] if isinstance(d, str)})
     if symbols:
         limits = meta.get("dim_limits") or {}

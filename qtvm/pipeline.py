@@ -64,7 +64,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
                  gptq: str | os.PathLike | None = None, gptq_format: str | None = None,
                  calib: str | os.PathLike | None = None, max_length: int | None = None, max_batch: int = 1,
                  kv_step: bool = True, dims: dict[str, str] | None = None, combine: bool = True,
-                 kv_cache: str = "model"):
+                 kv_cache: str = "model", binds: dict[str, str] | None = None):
     """ONNX -> (Relax IRModule with packed kernels, metadata, summary, notes); no export.
 
     A past_key_values export also gets ``qtvm_kv_step`` (``relay_passes.kv_cache``): greedy
@@ -79,10 +79,13 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     ``quant="gptq:<uniform preset>"`` GPTQ-quantizes them on the calibration inputs in
     ``calib`` (``qtvm.gptq_compile``). ``dims`` {input dim name: expression} restates dims the
     exporter named on its own (``--dim s53='past + seq'``: ``frontend.onnx.rename_dims``).
+    ``binds`` {input name: value} fixes inputs at compile time, inlining the If branches they
+    choose (``--bind use_cache_branch=1``: a merged decoder's with-past decoder; ``frontend.bind``).
     ``combine``: matmuls sharing an input and a column-independent format run as one kernel
     (``relay_passes.combine_matmuls``; every target's kernels compute a column alone: tested bit
     for bit on x86 and, for the GPU rules, on PoCL)."""
     from qtvm.formats.gptq_checkpoint import GptqCheckpoint
+    from qtvm.frontend.bind import bind_inputs
     from qtvm.frontend.quantized import lower_quantized
     from qtvm.gptq_compile import CalibratedCheckpoint, base_format, is_gptq_preset
     from relay_passes.quantized_onnx import lower_prequantized
@@ -110,6 +113,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         fmt = None if quant == FLOAT else get_format(quant)
         gptq = GptqCheckpoint(gptq, gptq_format) if gptq is not None else None
     model = load_onnx(model_path, lazy=True)  # external weights read as each is imported
+    bind_notes = bind_inputs(model, binds or {})
     rename_dims(model, dims or {})
     validate(model, f"'{model_path}'")
     summary = summarize(model)
@@ -119,7 +123,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     del model, lowered.model  # the weights are the module's constants now: no second copy while packing
     facts = import_facts(mod)
     mod = safe_gather(mod)
-    notes = gptq_notes + list(lowered.notes)
+    notes = bind_notes + gptq_notes + list(lowered.notes)
     from relay_passes.fp32_accumulate import fp32_accumulate
 
     mod, widened = fp32_accumulate(mod)
@@ -142,6 +146,8 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "dim_limits": facts["dim_limits"],
         "may_be_zero": facts["may_be_zero"],
     }
+    if binds:  # `qtvm check` feeds them to onnxruntime
+        meta["bound_inputs"] = dict(binds)
     if fmt is None:  # float weights: a scheduled GEMM instead of TVM's default loops
         from relay_passes.dense_weights import dense_weights
 
@@ -335,9 +341,10 @@ def compile_relax(mod, target: tvm.target.Target, lifted: list | None = None):
         if "CodeGenVM cannot emit" not in str(e):
             raise
         call = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "an operator")
-        raise QtvmError(f"TVM left {call} without a kernel: its input shapes were not inferred (TVM's importer "
-                        "converts If branches without qtvm's symbolic shape folding)",
-                        "compile the model exported without the If, or report it with the model attached") from None
+        raise QtvmError(f"TVM left {call} without a kernel: its input shapes were not inferred",
+                        "where an If on a model input holds it, --bind that input to compile the branch it takes "
+                        "(TVM's importer converts If branches without qtvm's symbolic shape folding); else report "
+                        "it with the model attached") from None
 
 
 def _lift_weights_pass(lifted: list):
@@ -359,7 +366,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
                   host: str | tvm.target.Target | None = None, cross_cc: str | None = None,
                   progress=None, max_length: int | None = None, max_batch: int = 1,
                   kv_step: bool = True, dims: dict[str, str] | None = None, combine: bool = True,
-                  kv_cache: str = "model") -> CompileResult:
+                  kv_cache: str = "model", binds: dict[str, str] | None = None) -> CompileResult:
     """Compile and export atomically: ``out`` is either complete or untouched.
 
     ``progress(stage)`` (optional) is called as each stage starts (the CLI's progress bar).
@@ -377,7 +384,7 @@ def compile_model(model_path, out, target: str | tvm.target.Target = "host", qua
     step = progress or (lambda stage: None)
     step("import + quantize")
     mod, meta, summary, notes = build_module(model_path, target, quant, activations, db, gptq, gptq_format, calib,
-                                             max_length, max_batch, kv_step, dims, combine, kv_cache)
+                                             max_length, max_batch, kv_step, dims, combine, kv_cache, binds)
     notes = ([host_note] if host_note else []) + notes
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent if str(out.parent) else ".")
     os.close(fd)

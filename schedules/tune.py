@@ -1107,10 +1107,12 @@ def tune_command(args) -> int:
 
         toolchain_for(target, getattr(args, "cross_cc", None))
         check_tracker(rpc)
+    from qtvm.frontend.bind import parse_bind_options
     from qtvm.frontend.onnx import parse_dim_options
 
     mod, _meta, _summary, build_notes = build_module(args.model, target, args.quant, getattr(args, "act", "fp32"),
-                                                     dims=parse_dim_options(getattr(args, "dim", [])))
+                                                     dims=parse_dim_options(getattr(args, "dim", [])),
+                                                     binds=parse_bind_options(getattr(args, "bind", [])))
     report = tune_kernels(mod, target, Path(args.db), args.trials, progress=not getattr(args, "quiet", False),
                           rpc=rpc, cross_cc=getattr(args, "cross_cc", None))
     print(f"tuned {len(report.kernels)} kernel(s) in {report.seconds:.0f} s; database: {report.work_dir}")

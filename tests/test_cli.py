@@ -246,46 +246,26 @@ def test_unrelated_symbolic_dims_one_line_nothing_of_tvm(tmp_path):
     assert not out.exists()
 
 
-def _in_if_branches(model: onnx.ModelProto, cond: str) -> onnx.ModelProto:
-    """The whole graph twice, as the two branches of an If on a new bool input ``cond`` (optimum's
-    merged decoder holds a decoder in each branch of ``use_cache_branch``)."""
-    g, inputs = model.graph, {i.name for i in model.graph.input}
-    outputs = [o.name for o in g.output]
-
-    def branch(name: str, suffix: str) -> onnx.GraphProto:
-        b = onnx.GraphProto()
-        b.CopyFrom(g)
-        b.name = name
-        rename = lambda x: x if not x or x in inputs else x + suffix  # noqa: E731
-        for t in b.initializer:
-            t.name = rename(t.name)
-        for n in b.node:
-            n.input[:] = [rename(x) for x in n.input]
-            n.output[:] = [rename(x) for x in n.output]
-            n.name = rename(n.name)
-        for o in b.output:
-            o.name = rename(o.name)
-        del b.input[:]
-        return b
-
-    node = helper.make_node("If", [cond], outputs, then_branch=branch("then", "_a"), else_branch=branch("else", "_b"))
-    graph = helper.make_graph([node], "merged", [*g.input, helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
-                              list(g.output))
-    return helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
-
-
 def test_control_flow_the_importer_cannot_convert_is_one_line(hf_model, tmp_path):
-    """TVM converts If branches itself (no symbolic shape folding): a decoder inside a branch fails
-    there, and the error names the If's input and the fix, with nothing of TVM's after it (its
-    BlockBuilder's 'destroyed with remaining blocks' warning came out at exit); a branch whose shape
-    TVM cannot infer fails at its code generator: one line too (was 'internal error')."""
+    """TVM converts If branches itself (no symbolic shape folding): a merged decoder fails there,
+    and the error names the If's input and the fix (--bind it), with nothing of TVM's after it
+    (its BlockBuilder's 'destroyed with remaining blocks' warning came out at exit); bound, it
+    compiles and checks. A branch whose shape TVM cannot infer fails at its code generator: one
+    line too (was 'internal error')."""
+    from tests.frontend.transformers_exports import merged_decoder
+
     merged = tmp_path / "merged.onnx"
-    onnx.save(_in_if_branches(onnx.load(str(hf_model("llama", "legacy"))), "use_cache_branch"), str(merged))
+    onnx.save(merged_decoder(onnx.load(str(hf_model("llama", "legacy", kv=True)))), str(merged))
     out = tmp_path / "out.so"
     assert_clean_error(qtvm("compile", merged, "--quant", "none", "-o", out),
-                       "TVM's ONNX importer failed on this graph with control flow",
-                       "the If on input 'use_cache_branch'", "exported without the If")
+                       "TVM's ONNX importer failed on this graph with control flow", "--bind use_cache_branch=1")
     assert not out.exists()
+    bound = tmp_path / "bound.so"
+    proc = qtvm("compile", merged, "--quant", "int4-g32", "--bind", "use_cache_branch=1", "-o", bound)
+    assert proc.returncode == 0 and "1 If nodes on bound inputs replaced by the branch taken" in proc.stdout, proc
+    proc = qtvm("check", merged, bound)
+    assert proc.returncode == 0 and "OK: the artefact computes what the model does" in proc.stdout, proc
+    assert_clean_error(qtvm("compile", merged, "--bind", "use_cache_branch", "-o", out), "is not NAME=VALUE")
     vi = helper.make_tensor_value_info
     one = onnx.numpy_helper.from_array(np.array(1.0, np.float32), "one")
     then = helper.make_graph([helper.make_node("Shape", ["x"], ["s"]),
@@ -304,5 +284,5 @@ def test_control_flow_the_importer_cannot_convert_is_one_line(hf_model, tmp_path
     model = tmp_path / "expand.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(model))
     assert_clean_error(qtvm("compile", model, "--quant", "none", "-o", out), "without a kernel",
-                       "R.multiply", "exported without the If")
+                       "R.multiply", "--bind that input")
     assert not out.exists()

@@ -117,3 +117,13 @@ def test_symbolic_dims_show_a_limit_on_a_sum():
                        {"name": "k", "dtype": "float32", "shape": ["batch", 4, "past", 16]}],
             "outputs": [], "dim_limits": {"past + seq": 256}, "may_be_zero": ["past"]}
     assert "symbolic dims: batch, past >= 0, seq, past + seq <= 256\n" in summary(meta)
+
+
+def test_summary_shows_bound_inputs():
+    meta = {"format": "none", "target": json.dumps({"kind": "llvm"}), "required_cpu_flags": [],
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}],
+            "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", 8]}],
+            "bound_inputs": {"use_cache_branch": "1"}}
+    line = next(t for t in summary(meta).splitlines() if t.startswith("bound inputs:"))
+    assert line.split(":", 1)[1].strip() == "use_cache_branch=1 (fixed at compile time by --bind; not inputs of main)"
+    assert "bound_inputs" not in summary(meta)

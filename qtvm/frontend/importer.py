@@ -426,17 +426,15 @@ def _tvm_import(model: onnx.ModelProto) -> tvm.IRModule:
 
 
 def _control_flow_fix(model: onnx.ModelProto) -> str:
-    """The fix for a graph TVM's importer could not convert: where an If tests a model input and
-    a branch holds shape arithmetic (optimum's merged decoder: the whole decoder in each
-    branch of ``use_cache_branch``), TVM converts branches without qtvm's symbolic shape
-    folding, so a graph without the If (the decoder exported on its own) is the way in."""
+    """The fix for a graph TVM's importer could not convert: where an If tests a model input
+    (optimum's merged decoder: the whole decoder in each branch of ``use_cache_branch``),
+    binding that input inlines the branch it takes, and qtvm's own import converts that."""
     inputs = {i.name for i in model.graph.input}
     conds = sorted({n.input[0] for n in model.graph.node if n.op_type == "If" and n.input[0] in inputs})
     if not conds:
         return _FIX
-    return (f"TVM converts the branches of the If on input {', '.join(repr(c) for c in conds)} without qtvm's "
-            "symbolic shape folding; where a branch holds a whole model (a merged decoder), compile the model "
-            "exported without the If (decoder_model.onnx, decoder_with_past_model.onnx)")
+    return (f"bind the If's input to compile the branch it takes: {' '.join(f'--bind {c}=1' for c in conds)} "
+            "(a merged decoder's with-past decoder, which also runs the first step from an empty past)")
 
 
 def import_facts(mod: tvm.IRModule) -> dict:

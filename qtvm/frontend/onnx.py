@@ -253,7 +253,7 @@ def unsupported_ops(model: onnx.ModelProto) -> list[str]:
     return sorted(missing)
 
 
-def _dims(value_info) -> list:
+def declared_dims(value_info) -> list:
     shape = value_info.type.tensor_type.shape
     return [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in shape.dim]
 
@@ -277,15 +277,34 @@ class WeightSource:
         return tensor_array(self.tensor)
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """A node's graph attributes (an If's branches, a Loop's or Scan's body)."""
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def graph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a (sub)graph's nodes read, nested subgraphs included."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for g in subgraphs(node):
+            names |= graph_reads(g)
+    return names
+
+
 def graph_scopes(graph: onnx.GraphProto, outer: tuple = ()):
     """(graph, the graphs enclosing it) for ``graph`` and every subgraph under it (If branches,
     Loop and Scan bodies), depth first: a subgraph reads its enclosing graphs' names."""
     yield graph, outer
     for node in graph.node:
-        for attr in node.attribute:
-            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for sub in subs:
-                yield from graph_scopes(sub, (*outer, graph))
+        for sub in subgraphs(node):
+            yield from graph_scopes(sub, (*outer, graph))
 
 
 def weight_sources(model: onnx.ModelProto, scopes: list | None = None) -> list[WeightSource]:
@@ -335,8 +354,8 @@ def summarize(model: onnx.ModelProto) -> OnnxSummary:
     inits = {t.name for t in model.graph.initializer}
     to_str = onnx.helper.tensor_dtype_to_np_dtype
     graph_inputs = [v for v in model.graph.input if v.name not in inits]
-    s.inputs = [(v.name, str(to_str(v.type.tensor_type.elem_type)), _dims(v)) for v in graph_inputs]
-    s.outputs = [(v.name, str(to_str(v.type.tensor_type.elem_type)), _dims(v)) for v in model.graph.output]
+    s.inputs = [(v.name, str(to_str(v.type.tensor_type.elem_type)), declared_dims(v)) for v in graph_inputs]
+    s.outputs = [(v.name, str(to_str(v.type.tensor_type.elem_type)), declared_dims(v)) for v in model.graph.output]
     return s
 
 

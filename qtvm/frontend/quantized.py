@@ -46,7 +46,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtvm.errors import QtvmError
-from qtvm.frontend.onnx import MappedWeights, graph_scopes, tensor_array
+from qtvm.frontend.onnx import MappedWeights, graph_reads, graph_scopes, subgraphs, tensor_array
 from qtvm.formats.blockwise import BlockQuantized, PackedCodes, unpack_low_first
 
 MARKER_PREFIX = "qtvm_prequantized_"
@@ -97,7 +97,7 @@ class _Lowering:
         self.graph = graph
         self.inits = {**outer_inits, **{t.name: t for t in graph.initializer}}
         # Names read inside nested bodies: such a tensor has uses this scope's walk cannot rewrite.
-        self.in_subgraphs = {name for node in graph.node for g in _subgraphs(node) for name in _reads(g)}
+        self.in_subgraphs = {name for node in graph.node for g in subgraphs(node) for name in graph_reads(g)}
 
     # -- helpers ---------------------------------------------------------------------------
     def array(self, name: str) -> np.ndarray | None:
@@ -112,7 +112,7 @@ class _Lowering:
         """Top-level (node, input index) uses; a use inside a subgraph counts as (the If/Loop node, -1)."""
         uses = [(n, i) for n in self.graph.node for i, name in enumerate(n.input) if name == tensor]
         if tensor in self.in_subgraphs:
-            uses += [(n, -1) for n in self.graph.node if any(tensor in _reads(g) for g in _subgraphs(n))]
+            uses += [(n, -1) for n in self.graph.node if any(tensor in graph_reads(g) for g in subgraphs(n))]
         return uses
 
     def add_marker(self, weight: BlockQuantized, kind: str) -> str:
@@ -340,7 +340,7 @@ class _Lowering:
             node.CopyFrom(original)
             if node.op_type == "Cast" and node.output[0] in self._dropped_outputs:
                 continue
-            for body in _subgraphs(node):
+            for body in subgraphs(node):
                 scope = self.graph, self.inits, self.in_subgraphs
                 self._enter(body, self.inits)
                 self._lower_nodes()
@@ -370,7 +370,7 @@ class _Lowering:
     def _drop_unused_initializers(self):
         for graph, _ in graph_scopes(self.model.graph):
             used = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
-            used |= {name for n in graph.node for g in _subgraphs(n) for name in _reads(g)}
+            used |= {name for n in graph.node for g in subgraphs(n) for name in graph_reads(g)}
             keep = [t for t in graph.initializer if t.name in used]
             del graph.initializer[:]
             graph.initializer.extend(keep)
@@ -378,26 +378,6 @@ class _Lowering:
             keep_ops = [o for o in self.model.opset_import if o.domain != MS_DOMAIN]
             del self.model.opset_import[:]
             self.model.opset_import.extend(keep_ops)
-
-
-def _subgraphs(node) -> list[onnx.GraphProto]:
-    out = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            out.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            out.extend(a.graphs)
-    return out
-
-
-def _reads(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor name a (sub)graph's nodes read, nested subgraphs included."""
-    names = set()
-    for node in graph.node:
-        names.update(node.input)
-        for g in _subgraphs(node):
-            names |= _reads(g)
-    return names
 
 
 def has_quantized_weights(model: onnx.ModelProto) -> bool:

@@ -289,3 +289,58 @@ def feeds(inputs: list[dict], batch: int, seq: int, past: int = 0, seed: int = 0
             _, heads, _, dim = spec["shape"]
             out[name] = rng.standard_normal((batch, heads, past, dim)).astype(np.float32)
     return out
+
+
+def merged_decoder(with_past):
+    """optimum's merged layout (``decoder_model_merged.onnx``) made from a KV export: an If on a
+    bool[1] input ``use_cache_branch`` whose then branch is the with-past decoder and whose
+    else branch the no-past decoder (its past read as empty [batch, heads, 0, dim] tensors),
+    both reading the weights from the top level, and the inputs declared as the no-past decoder
+    declares them (the mask as long as the ids), as optimum's merge writes them."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = with_past.graph
+    past = [i for i in g.input if i.name.startswith("past_key_values")]
+    outer = {i.name for i in g.input} | {t.name for t in g.initializer}
+
+    def branch(name: str, suffix: str, empty_past: bool):
+        reads_outer = outer - ({p.name for p in past} if empty_past else set())
+        rename = lambda x: x if not x or x in reads_outer else x + suffix  # noqa: E731
+        nodes = []
+        if empty_past:
+            nodes.append(helper.make_node("Shape", ["input_ids"], ["batch" + suffix], start=0, end=1))
+            for p in past:
+                heads, dim = (d.dim_value for d in p.type.tensor_type.shape.dim[1::2])
+                rest = helper.make_tensor(p.name + "_rest" + suffix, TensorProto.INT64, [3], [heads, 0, dim])
+                nodes += [helper.make_node("Constant", [], [rest.name], value=rest),
+                          helper.make_node("Concat", ["batch" + suffix, rest.name], [p.name + "_shape" + suffix],
+                                           axis=0),
+                          helper.make_node("ConstantOfShape", [p.name + "_shape" + suffix], [rename(p.name)])]
+        for n in g.node:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(n)
+            copy.input[:] = [rename(x) for x in n.input]
+            copy.output[:] = [rename(x) for x in n.output]
+            copy.name = n.name + suffix
+            nodes.append(copy)
+        outputs = []
+        for o in g.output:
+            copy = onnx.ValueInfoProto()
+            copy.CopyFrom(o)
+            copy.name = rename(o.name)
+            outputs.append(copy)
+        return helper.make_graph(nodes, name, [], outputs)
+
+    node = helper.make_node("If", ["use_cache_branch"], [o.name for o in g.output], name="optimum::if",
+                            then_branch=branch("with_past", "_wp", False), else_branch=branch("no_past", "_np", True))
+    inputs = []
+    for i in g.input:
+        copy = onnx.ValueInfoProto()
+        copy.CopyFrom(i)
+        if i.name == "attention_mask":
+            copy.type.tensor_type.shape.dim[1].dim_param = g.input[0].type.tensor_type.shape.dim[1].dim_param
+        inputs.append(copy)
+    inputs.append(helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1]))
+    graph = helper.make_graph([node], "merged", inputs, list(g.output), list(g.initializer))
+    return helper.make_model(graph, opset_imports=with_past.opset_import, ir_version=with_past.ir_version)
