@@ -92,7 +92,7 @@ def bind_inputs(model: onnx.ModelProto, binds: dict[str, str]) -> list[str]:
         notes.append(f"{len(chosen)} If nodes on bound inputs replaced by the branch taken ({', '.join(chosen[:4])})")
     if dropped:
         notes.append(f"inputs only the other branch read are dropped: {', '.join(dropped)}")
-    notes += _mask_after_past(graph)
+    notes += _mask_after_past(graph) if chosen else []
     return notes
 
 
@@ -190,22 +190,23 @@ def _drop_unread(graph: onnx.GraphProto, candidates: set[str]) -> list[str]:
 
 def _mask_after_past(graph: onnx.GraphProto) -> list[str]:
     """A merged decoder declares its inputs as the no-past decoder does: ``attention_mask``
-    [batch, sequence_length], the ids' length. The with-past branch reads a mask over the past
-    and the new tokens, so where past_key_values inputs remain its length is restated as
-    ``past + sequence`` (the with-past export's own declaration)."""
+    [batch, sequence_length], the ids' length (or a name of its own). The with-past branch reads
+    a mask over the past and the new tokens, so where past_key_values inputs remain its length
+    is restated as ``past + sequence`` (the with-past export's own declaration)."""
     by_name = {vi.name: vi for vi in graph.input}
     ids, mask = by_name.get("input_ids"), by_name.get("attention_mask")
     pasts = [vi for name, vi in by_name.items() if name.startswith("past_key_values")]
     if ids is None or mask is None or not pasts:
         return []
-    seq = _dim(ids, 1)
+    seq, length = _dim(ids, 1), _dim(mask, 1)
     past = {_dim(vi, 2) for vi in pasts}
-    if seq is None or len(past) != 1 or None in past or _dim(mask, 1) != seq:
+    elsewhere = [d.dim_param for vi in graph.input if vi is not mask for d in vi.type.tensor_type.shape.dim]
+    if seq is None or len(past) != 1 or None in past or length is None or (length != seq and length in elsewhere):
         return []
     total = f"{past.pop()} + {seq}"
     mask.type.tensor_type.shape.dim[1].dim_param = total
     return [f"attention_mask's length restated as '{total}' (the merged decoder declares the no-past "
-            f"decoder's, '{seq}')"]
+            f"decoder's, '{length}')"]
 
 
 def _dim(vi: onnx.ValueInfoProto, axis: int) -> str | None:

@@ -161,3 +161,22 @@ def test_quantized_merged_decoder_bound(hf_model, tmp_path):
     assert result.metadata["prequantized_matmuls"] == result.metadata["quantized_matmuls"] > 0
     report = check(merged, result.path)
     assert report.ok, report.rows
+
+
+@pytest.mark.parametrize("declared,restated", [("seq", True), ("attention_mask_sequence_length", True),
+                                               ("past", False)])
+def test_merged_decoder_mask_restated_where_its_declaration_cannot_hold(hf_model, declared, restated):
+    """The mask's length declared as the ids' or under a name of its own is restated past + seq
+    for the with-past branch; one the other inputs use (here the past length) is left as it is,
+    and a model without an If keeps its declarations whatever is bound."""
+    model = merged_decoder(onnx.load(str(hf_model("llama", "legacy", kv=True))))
+    model.graph.input[1].type.tensor_type.shape.dim[1].dim_param = declared
+    notes = bind_inputs(model, {"use_cache_branch": "1"})
+    dims = [d.dim_param for d in model.graph.input[1].type.tensor_type.shape.dim]
+    assert dims == ["batch", "past + seq" if restated else declared]
+    assert any("attention_mask's length restated" in n for n in notes) == restated
+    plain = onnx.load(str(hf_model("llama", "legacy", kv=True)))
+    plain.graph.input[1].type.tensor_type.shape.dim[1].dim_param = "seq"
+    plain.graph.input.append(vi("flag", TensorProto.BOOL, [1]))
+    bind_inputs(plain, {"flag": "1"})
+    assert [d.dim_param for d in plain.graph.input[1].type.tensor_type.shape.dim] == ["batch", "seq"]
