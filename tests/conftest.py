@@ -112,28 +112,47 @@ def hf_model(hf_dir, tmp_path_factory):
     not once a worker (60-odd exports of 5-7 s)."""
     from tests.frontend.transformers_exports import cached_export
 
-    directory = hf_dir
-    if not os.environ.get("QTVM_TEST_EXPORTS") and os.environ.get("PYTEST_XDIST_WORKER"):
-        directory = tmp_path_factory.getbasetemp().parent / "hf_exports_shared"  # the run's, above each worker's
-        directory.mkdir(exist_ok=True)
+    directory = hf_dir if os.environ.get("QTVM_TEST_EXPORTS") else \
+        _run_shared_dir(tmp_path_factory, "hf_exports_shared") or hf_dir
     return lambda family, exporter, kv=False, mask=True: cached_export(directory, family, exporter, kv, mask)
+
+
+def _run_shared_dir(tmp_path_factory, name: str) -> pathlib.Path | None:
+    """A directory every pytest-xdist worker of this run sees (beside the workers' own), or None
+    when the run has one process."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    directory = tmp_path_factory.getbasetemp().parent / name
+    directory.mkdir(exist_ok=True)
+    return directory
 
 
 @pytest.fixture(scope="session")
 def hf_compiled(hf_model, tmp_path_factory):
     """hf_compiled(family, exporter, quant, kv=False, kv_cache="model") -> CompileResult, compiled
-    once per session. KV exports are compiled for generation at batch <= 2 (the KV step's
-    memory plan)."""
+    once per run: the workers share the artefacts (one compiles under a lock, the others load its
+    result), as they share the exports. KV exports are compiled for generation at batch <= 2 (the
+    KV step's memory plan)."""
+    import fcntl
+    import pickle
+
     from qtvm.pipeline import compile_model
 
     done = {}
-    out_dir = tmp_path_factory.mktemp("hf_artefacts")
+    out_dir = _run_shared_dir(tmp_path_factory, "hf_artefacts_shared") or tmp_path_factory.mktemp("hf_artefacts")
 
     def get(family, exporter, quant, kv=False, kv_cache="model"):
         key = (family, exporter, quant, kv, kv_cache)
         if key not in done:
-            path = hf_model(family, exporter, kv)
-            done[key] = compile_model(path, out_dir / f"{'_'.join(map(str, key))}.so", "host", quant,
-                                      max_batch=2 if kv else 1, kv_cache=kv_cache)
+            stem = out_dir / "_".join(map(str, key))
+            with open(f"{stem}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                saved = pathlib.Path(f"{stem}.result")
+                if saved.exists():
+                    done[key] = pickle.loads(saved.read_bytes())
+                else:
+                    done[key] = compile_model(hf_model(family, exporter, kv), f"{stem}.so", "host", quant,
+                                              max_batch=2 if kv else 1, kv_cache=kv_cache)
+                    saved.write_bytes(pickle.dumps(done[key]))
         return done[key]
     return get
