@@ -99,10 +99,12 @@ def write_calibrated_checkpoint(model, quant: str, calib_path, out_path) -> list
 class CalibratedCheckpoint:
     """A temporary checkpoint for one compile (removed on exit)."""
 
-    def __init__(self, model_path, quant: str, calib_path):
+    def __init__(self, model_path, quant: str, calib_path, binds: dict[str, str] | None = None):
+        from qtvm.frontend.bind import bind_inputs
         from qtvm.frontend.onnx import load_onnx
 
         self.model = load_onnx(model_path)
+        bind_inputs(self.model, binds or {})  # the graph the compile quantizes (a merged decoder's branch)
         self.quant, self.calib_path = quant, calib_path
         self.path: Path | None = None
         self.notes: list[str] = []

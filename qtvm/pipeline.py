@@ -105,7 +105,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
             raise QtvmError(f"--quant {quant} needs calibration inputs", "pass --calib FILE.npz (or .npy)")
         if gptq is not None:
             raise QtvmError(f"--quant {quant} and --gptq both supply GPTQ weights", "use one of them")
-        with CalibratedCheckpoint(model_path, quant, calib) as ckpt:
+        with CalibratedCheckpoint(model_path, quant, calib, binds) as ckpt:
             gptq, gptq_notes = GptqCheckpoint(ckpt.path), ckpt.notes  # read whole: the file may go
     else:
         if calib is not None:

@@ -339,6 +339,7 @@ def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict
                             f"give exactly the model inputs: {', '.join(names)}")
     rng = np.random.default_rng(seed)
     inits = {t.name: t for t in model.graph.initializer}
+    sizes: dict[str, int] = {}  # a symbol's synthetic size, shared by every input that names it
     for v in specs:
         tt = v.type.tensor_type
         dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
@@ -361,7 +362,7 @@ def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict
             if dims is None:
                 raise QtvmError(f"input '{v.name}' has no shape in the model, so no synthetic input can be made",
                                 "pass inputs with --input NAME=FILE.npy")
-            shape = [d.dim_value if d.HasField("dim_value") else (SYNTH_BATCH if i == 0 else SYNTH_DIM)
+            shape = [d.dim_value if d.HasField("dim_value") else _synthetic_dim(d.dim_param, i, sizes)
                      for i, d in enumerate(dims)]
             if np.issubdtype(dtype, np.floating):
                 feeds[v.name] = rng.standard_normal(shape).astype(dtype)
@@ -380,6 +381,20 @@ def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict
                     source = "synthetic: ones"
         desc[v.name] = {"shape": list(feeds[v.name].shape), "dtype": str(feeds[v.name].dtype), "source": source}
     return feeds, desc
+
+
+def _synthetic_dim(text: str, axis: int, sizes: dict) -> int:
+    """A symbolic dim's synthetic size: a symbol is ``SYNTH_BATCH`` on axis 0, else ``SYNTH_DIM``,
+    the same wherever it is named; an expression of symbols (a KV export's mask, ``past + seq``)
+    is evaluated over them."""
+    from qtvm import dims as dimexpr
+
+    plain = SYNTH_BATCH if axis == 0 else SYNTH_DIM
+    if not text:
+        return plain
+    if dimexpr.parse(text) is None:
+        return sizes.setdefault(text, plain)
+    return dimexpr.evaluate(text, sizes, lambda name: SYNTH_DIM)
 
 
 def _session(model):
@@ -471,18 +486,21 @@ def _cosine(a, b):
 
 # -- the report ---------------------------------------------------------------------------------
 def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *, inputs: dict | None = None,
-                    seed: int = 0, keep_outputs: bool = False, progress=None) -> Report:
+                    seed: int = 0, keep_outputs: bool = False, progress=None,
+                    binds: dict[str, str] | None = None) -> Report:
     """Per-layer weight errors and model-level output errors for each preset (module doc).
 
     ``model``: an ``onnx.ModelProto`` or a path; ``calib``: model inputs by name
     for calibrated formats; ``inputs``: model inputs for the output comparison.
     Either alone serves both; neither: synthetic inputs. ``progress``: optional
     callable taking one line of text; ``keep_outputs``: keep the float and each
-    preset's output arrays in ``Report.outputs``.
+    preset's output arrays in ``Report.outputs``; ``binds``: inputs fixed as ``qtvm compile
+    --bind`` fixes them (a merged decoder's ``use_cache_branch``: the branch reported).
     """
     import numpy as np
     import onnx
 
+    from qtvm.frontend.bind import bind_inputs
     from qtvm.frontend.onnx import load_onnx
     from qtvm.reference import dequantized_model
 
@@ -490,6 +508,10 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
     if not isinstance(model, onnx.ModelProto):
         label = str(model)
         model = load_onnx(model)
+    elif binds:
+        model, given = onnx.ModelProto(), model
+        model.CopyFrom(given)
+    bind_inputs(model, binds or {})
     chosen = resolve_presets(list(presets))
     weights = constant_weights(model)
     separate = (calib is None) == (inputs is None)  # both given, or both synthetic
@@ -593,6 +615,9 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="a model input for calibrated formats (mixed-2-4-16, gptq:...); default: --input")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs")
+    p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUE",
+                   help="as `qtvm compile --bind`: an input fixed, the If branches it chooses reported "
+                        "(e.g. use_cache_branch=1 for a merged decoder)")
     p.add_argument("--json", metavar="OUT.json", help="also write the full report as JSON (atomically)")
     p.add_argument("--summary-only", action="store_true", help="print the per-format summary only")
     p.set_defaults(fn=report_command)
@@ -604,8 +629,11 @@ def report_command(args) -> int:
         _check_json_path(args.json)  # fail before the work, not after
     inputs = dict(_parse_input(t) for t in args.input) if args.input else None
     calib = dict(_parse_input(t) for t in args.calib_input) if args.calib_input else None
+    from qtvm.frontend.bind import parse_bind_options
+
     report = quantize_report(args.model, args.formats.split(","), calib, inputs=inputs, seed=args.seed,
-                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+                             progress=lambda line: print(line, file=sys.stderr, flush=True),
+                             binds=parse_bind_options(args.bind))
     print(f"model: {report.model}: {report.weights} constant MatMul/Gemm weights, {report.weight_count:,} values")
 
     def describe(feeds: dict) -> str:

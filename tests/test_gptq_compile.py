@@ -101,3 +101,23 @@ def test_cli_takes_calib(setup, tmp_path, capsys):
                  "-o", str(tmp_path / "m.so")])
     assert code == 0 and "GPTQ (int4-g64)" in capsys.readouterr().out
     assert main(["compile", str(d / "mlp.onnx"), "--quant", "gptq:int4-g64", "-o", str(tmp_path / "n.so")]) == 2
+
+
+def test_merged_decoder_calibrated_on_the_bound_branch(hf_model, tmp_path):
+    """--bind reaches the calibration run: a merged decoder's weights (read inside its If) are
+    GPTQ-quantized on the branch the compile keeps, every one of them."""
+    from qtvm.frontend.bind import bind_inputs
+    from qtvm.gptq_compile import CalibratedCheckpoint
+    from qtvm.report import constant_weights, prepare_inputs
+    from tests.frontend.transformers_exports import merged_decoder
+
+    merged = merged_decoder(onnx.load(str(hf_model("llama", "legacy", kv=True))))
+    path = tmp_path / "merged.onnx"
+    onnx.save(merged, str(path))
+    bound = onnx.ModelProto()
+    bound.CopyFrom(merged)
+    bind_inputs(bound, {"use_cache_branch": "1"})
+    np.savez(tmp_path / "calib.npz", **prepare_inputs(bound, None)[0])
+    with CalibratedCheckpoint(path, "gptq:int4-g32", tmp_path / "calib.npz", {"use_cache_branch": "1"}) as ckpt:
+        weights = [w for w in constant_weights(bound) if w.direct]
+        assert len(weights) == 15 and ckpt.notes[0].startswith("GPTQ (int4-g32) on 15 weights")

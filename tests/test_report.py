@@ -223,6 +223,26 @@ def test_synthetic_inputs(tiny_model, mlp_path):
     assert r.calibration_inputs["x"]["shape"] == [2, 100]
 
 
+def test_kv_export_and_merged_decoder(hf_model):
+    """A KV export's synthetic mask is as long as its dim expression says (past + seq; it was
+    given the same size as every other dim, and onnxruntime failed), and a merged decoder is
+    reported on the branch --bind chooses (its matmuls are inside the If), the given model
+    left as it was."""
+    from tests.frontend.transformers_exports import merged_decoder
+
+    kv = onnx.load(str(hf_model("llama", "legacy", kv=True)))
+    feeds, _ = prepare_inputs(kv, None)
+    assert feeds["input_ids"].shape == (2, 16) and feeds["attention_mask"].shape == (2, 32)
+    assert feeds["past_key_values.0.key"].shape[:3] == (2, 2, 16)
+    merged = merged_decoder(kv)
+    with pytest.raises(QtvmError, match="no MatMul/Gemm with a constant"):
+        quantize_report(merged, ["int4-g32"])
+    r = quantize_report(merged, ["int4-g32"], binds={"use_cache_branch": "1"})
+    assert r.weights == quantize_report(kv, ["int4-g32"]).weights > 0
+    assert r.inputs["attention_mask"]["shape"] == [2, 32] and "use_cache_branch" not in r.inputs
+    assert merged.graph.node[0].op_type == "If" and merged.graph.input[-1].name == "use_cache_branch"
+
+
 # -- Gemm with transB, bad input ---------------------------------------------------------------
 def test_gemm_trans_b(mlp_path):
     model = onnx.load(str(mlp_path))
