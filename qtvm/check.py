@@ -304,6 +304,8 @@ class _Session:
         return [_Value(o.name, []) for o in self.model.graph.output]
 
     def run(self, names, feed: dict) -> list:
+        takes = {i.name for i in self.get_inputs()}  # a reference built bound takes no bound input
+        feed = {k: v for k, v in feed.items() if k in takes}
         if self._reference is not None:
             return self._reference.run(names, feed)
         try:
@@ -324,6 +326,47 @@ def _session(model, path=None) -> _Session:
     return _Session(model, path)
 
 
+def _with_checkpoint_weights(model_path, meta: dict, gptq, gptq_format, calib):
+    """The model (its ``--bind`` inputs bound) with each weight a GPTQ checkpoint supplied as
+    the float32 weight its codes stand for, or None for an artefact without GPTQ weights. The
+    weights enter through a Cast from float64 (exact), so the preset's rule for the remaining
+    float weights (``qtvm.reference.dequantized_model``) passes them by."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtvm.formats.gptq_checkpoint import GptqCheckpoint
+    from qtvm.frontend.bind import bind_inputs
+    from qtvm.frontend.onnx import load_onnx
+    from qtvm.frontend.quantized import lower_quantized
+    from qtvm.gptq_compile import CalibratedCheckpoint, is_gptq_preset
+
+    calibrated = is_gptq_preset(meta.get("format", ""))
+    if not calibrated and "GPTQ" not in str(meta.get("prequantized", "")):
+        if gptq is not None or calib is not None:
+            raise QtvmError("--gptq/--calib given, but the artefact holds no GPTQ weights", "drop them")
+        return None
+    if (calib if calibrated else gptq) is None:
+        raise QtvmError("the artefact's weights came from a GPTQ checkpoint, which the check needs to know what "
+                        "they should be", f"pass {'--calib FILE (the one compiled with)' if calibrated else '--gptq CKPT'}")
+    binds = meta.get("bound_inputs", {})
+    model = load_onnx(model_path)
+    bind_inputs(model, binds)
+    if calibrated:
+        with CalibratedCheckpoint(model_path, meta["format"], calib, binds) as made:
+            lowered = lower_quantized(model, GptqCheckpoint(made.path), in_place=True)
+    else:
+        lowered = lower_quantized(model, GptqCheckpoint(gptq, gptq_format), in_place=True)
+    graph = lowered.model.graph
+    markers = set(lowered.weights)
+    kept = [vi for vi in graph.input if vi.name not in markers]
+    del graph.input[:]
+    graph.input.extend(kept)
+    for name, weight in lowered.weights.items():
+        w32 = weight.dequantize_reference().astype("float32")  # the stored codes' values, as the kernels' float32
+        graph.initializer.append(numpy_helper.from_array(w32.astype("float64"), f"{name}_f64"))
+        graph.node.insert(0, helper.make_node("Cast", [f"{name}_f64"], [name], to=TensorProto.FLOAT))
+    return lowered.model
+
+
 def _dequantized_reference(model, meta: dict):
     """(onnx model, description, tolerance) of what the artefact must equal. An int8 artefact's
     reference has jitter inputs (``qtvm.reference.JITTER_INPUT``: fed ones it is the reference,
@@ -331,6 +374,12 @@ def _dequantized_reference(model, meta: dict):
     fmt_name = meta.get("format", "none")
     int8 = meta.get("activations") == "int8"
     if fmt_name == "none" or "quantized_matmuls" not in meta:
+        if int8 and meta.get("prequantized_matmuls"):  # the kernels round x; onnxruntime, relaxed, does not
+            reference = _copy(model)
+            _float_activations(reference)
+            return reference, (f"onnxruntime on the model's own quantized weights (int8 activations not modelled: "
+                               f"{meta['prequantized_matmuls']} matmuls came quantized in the model; their rounding "
+                               "is in the error)"), INT8_UNMODELLED_TOLERANCE
         if int8 or not _int8_activation_levels(model):
             what = ("the model on its own quantized weights" if meta.get("prequantized_matmuls")
                     else "the float model (no weights were quantized)")
@@ -401,8 +450,12 @@ def _float_activations(model) -> int:
 
 
 def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict | None = None,
-          tolerance: float | None = None, seed: int = 0, int_high: int = 16) -> CheckReport:
-    """Compare ``artefact`` with onnxruntime on ``model_path`` at each binding."""
+          tolerance: float | None = None, seed: int = 0, int_high: int = 16, *, gptq=None,
+          gptq_format: str | None = None, calib=None) -> CheckReport:
+    """Compare ``artefact`` with onnxruntime on ``model_path`` at each binding. An artefact whose
+    weights came from a GPTQ checkpoint is held to the model with that checkpoint's weights:
+    ``gptq`` (``compile --gptq``), or ``calib`` (``compile --quant gptq:<preset> --calib``: the
+    calibration run again, deterministic)."""
     import qtvm.formats  # noqa: F401 -- imports the compiler's TVM, which qtvm.runtime must not replace
     from qtvm import runtime
     from qtvm.frontend.onnx import load_onnx
@@ -412,7 +465,17 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     module = runtime.load(artefact)
     meta = module.metadata
     bound, unread = _bound_inputs(model, meta, [i["name"] for i in module.inputs])
-    ref_model, reference, default_tol = _dequantized_reference(model, meta)
+    checkpoint_model = _with_checkpoint_weights(model_path, meta, gptq, gptq_format, calib)
+    if checkpoint_model is not None:
+        from qtvm.gptq_compile import base_format, is_gptq_preset
+
+        # compile --quant gptq:<preset>: the weights the calibration left (behind a Transpose) took the preset
+        preset = base_format(meta["format"]).name if is_gptq_preset(meta["format"]) else meta["format"]
+        ref_model, reference, default_tol = _dequantized_reference(checkpoint_model, dict(meta, format=preset))
+        reference = reference.replace("the model on its own quantized weights", "the model on the GPTQ "
+                                      "checkpoint's weights").replace("the model's own", "the GPTQ checkpoint's")
+    else:
+        ref_model, reference, default_tol = _dequantized_reference(model, meta)
     quantizers = _activation_quantizers(ref_model) if default_tol == FP32_TOLERANCE else []
     if quantizers:
         ref_model = _jittered_quantizers(ref_model, quantizers)

@@ -156,7 +156,8 @@ def _cmd_check(args) -> int:
 
     feeds = dict(_parse_feed(t) for t in args.input) if args.input else None
     bindings = [parse_shape(s) for s in args.shape] or None
-    report = check(args.model, args.artefact, bindings, feeds, args.tol, args.seed)
+    report = check(args.model, args.artefact, bindings, feeds, args.tol, args.seed, gptq=args.gptq,
+                   gptq_format=args.gptq_format, calib=args.calib)
     print(format_report(report))
     return 0 if report.ok else 1
 
@@ -277,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--tol", type=float, help="own-error tolerance (default 1e-4; for --act int8 artefacts 2x the largest flip "
                    "noise the report measures, at least 1e-3)")
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--gptq", metavar="CKPT.safetensors",
+                   help="the GPTQ checkpoint the artefact was compiled with (compile --gptq): the reference "
+                        "holds its weights")
+    k.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None, help="as compile --gptq-format")
+    k.add_argument("--calib", metavar="FILE.npz",
+                   help="the calibration inputs of a compile --quant gptq:<preset> --calib FILE: the GPTQ run is "
+                        "repeated (deterministic) for the reference")
     k.set_defaults(fn=_cmd_check)
 
     d = sub.add_parser("demo", help="compile and check the bundled tiny LLaMA model (the main job)")

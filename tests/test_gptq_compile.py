@@ -66,6 +66,37 @@ def test_artefact_runs_the_gptq_codes(setup, act):
         assert err < (1e-5 if act == "fp32" else 3e-2), (m, err)
 
 
+@pytest.mark.parametrize("act", ["fp32", "int8"])
+def test_check_holds_gptq_artefacts_to_their_checkpoint(setup, act, tmp_path):
+    """`qtvm check` on a GPTQ artefact compares with the model on the checkpoint's weights (it
+    compared with the float model and called the GPTQ error a miscompile): --calib repeats the
+    calibration, --gptq names a checkpoint; without them, one line saying which to pass; another
+    calibration's checkpoint is a mismatch, so the reference does hold the checkpoint's weights."""
+    from qtvm.check import check
+    from qtvm.gptq_compile import write_calibrated_checkpoint
+
+    d, *_ = setup
+    out = tmp_path / "mlp.so"
+    compile_model(d / "mlp.onnx", out, "host", "gptq:int4-g64", act, calib=d / "calib.npy")
+    with pytest.raises(QtvmError, match="pass --calib FILE"):
+        check(d / "mlp.onnx", out)
+    report = check(d / "mlp.onnx", out, calib=d / "calib.npy")
+    assert report.ok and "GPTQ checkpoint's" in report.reference, (report.reference, report.rows)
+    model = onnx.load(str(d / "mlp.onnx"))
+    write_calibrated_checkpoint(model, "gptq:int4-g64", d / "calib.npy", tmp_path / "ckpt.safetensors")
+    ckpt_out = tmp_path / "ckpt.so"
+    compile_model(d / "mlp.onnx", ckpt_out, "host", "none", act, gptq=tmp_path / "ckpt.safetensors")
+    with pytest.raises(QtvmError, match="pass --gptq CKPT"):
+        check(d / "mlp.onnx", ckpt_out)
+    assert check(d / "mlp.onnx", ckpt_out, gptq=tmp_path / "ckpt.safetensors").ok
+    np.save(tmp_path / "other.npy", np.random.default_rng(7).standard_normal((96, K)).astype(np.float32))
+    write_calibrated_checkpoint(model, "gptq:int4-g64", tmp_path / "other.npy", tmp_path / "other.safetensors")
+    assert not check(d / "mlp.onnx", ckpt_out, gptq=tmp_path / "other.safetensors").ok
+    with pytest.raises(QtvmError, match="no GPTQ weights"):
+        check(d / "mlp.onnx", compile_model(d / "mlp.onnx", tmp_path / "rtn.so", "host", "int4-g64").path,
+              gptq=tmp_path / "ckpt.safetensors")
+
+
 def test_gptq_beats_round_to_nearest_on_its_calibration_data(setup):
     d, w1, w2, calib = setup
     compile_model(d / "mlp.onnx", d / "g.so", "host", "gptq:int4-g64", calib=d / "calib.npy")
