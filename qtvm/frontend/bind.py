@@ -86,7 +86,7 @@ def bind_inputs(model: onnx.ModelProto, binds: dict[str, str]) -> list[str]:
     graph.input.extend(kept)
     graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in values.items())
     chosen = _inline_branches(model, graph, values)
-    dropped = _drop_unread(graph, set(inputs) - set(values))
+    dropped = _drop_unread(graph, set(inputs) - set(values)) if chosen else []
     notes = [f"--bind {name}={binds[name]}: the model's input is that constant" for name in values]
     if chosen:
         notes.append(f"{len(chosen)} If nodes on bound inputs replaced by the branch taken ({', '.join(chosen[:4])})")

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from qtvm.errors import QtvmError
 from qtvm.frontend.onnx import MappedWeights, graph_reads, graph_scopes, subgraphs, tensor_array
