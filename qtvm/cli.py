@@ -40,8 +40,9 @@ def _cmd_compile(args) -> int:
             print(f"quantized {meta['quantized_matmuls']} matmuls to {meta['format']} {sizes}")
         else:
             rest = meta["quantized_matmuls"] - pre
+            preset = meta["format"].removeprefix("gptq:")  # what GPTQ calibration did not reach takes the preset
             print(f"packed {meta['quantized_matmuls']} matmuls: {pre} quantized in the model or checkpoint "
-                  f"({meta['prequantized']}), {rest} to {meta['format'] if rest else '-'} {sizes}")
+                  f"({meta['prequantized']}), {rest} to {preset if rest else '-'} {sizes}")
     for note in result.notes:
         print(note)
     return 0

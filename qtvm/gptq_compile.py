@@ -81,15 +81,20 @@ def write_calibrated_checkpoint(model, quant: str, calib_path, out_path) -> list
 
     fmt = base_format(quant)
     feeds = load_calibration(calib_path, model)
-    # the checkpoint names initializers read as B itself (a tied lm_head behind a Transpose is left to --quant)
-    weights = [w for w in constant_weights(model) if w.direct]
+    # a checkpoint names initializers (read as B, or through a Transpose: a tied lm_head); a Constant
+    # node's weight is left to the preset
+    inits = {t.name for t in model.graph.initializer}
+    weights = [w for w in constant_weights(model) if w.init_name in inits]
     _, acts = collect_layer_inputs(model, feeds, weights)
     layers = {}
     for w in weights:
         x = acts.get(w.init_name)
         if x is None or len(x) == 0:
             raise QtvmError(f"no calibration activations reach {_what(w)}", "pass inputs that reach every layer")
-        layers[w.init_name] = gptq_quantize(_kn(w), x, fmt, name=_what(w))
+        # named as a GPTQ checkpoint names a layer (its weight's name without ".weight"), which
+        # GptqCheckpoint.apply matches back to the initializer; the full name did not match
+        prefix = w.init_name[:-len(".weight")] if w.init_name.endswith(".weight") else w.init_name
+        layers[prefix] = gptq_quantize(_kn(w), x, fmt, name=_what(w))
     write_autogptq(out_path, layers, "gptq_v2", scale_dtype=np.float32)  # zero points as is, scales exact
     samples = sorted({len(a) for a in acts.values()})
     return [f"GPTQ ({fmt.name}) on {len(layers)} weights, calibrated on {samples[0]}"

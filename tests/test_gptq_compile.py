@@ -152,3 +152,37 @@ def test_merged_decoder_calibrated_on_the_bound_branch(hf_model, tmp_path):
     with CalibratedCheckpoint(path, "gptq:int4-g32", tmp_path / "calib.npz", {"use_cache_branch": "1"}) as ckpt:
         weights = [w for w in constant_weights(bound) if w.direct]
         assert len(weights) == 15 and ckpt.notes[0].startswith("GPTQ (int4-g32) on 15 weights")
+
+
+def test_tied_lm_head_behind_a_transpose_is_gptq_quantized(tmp_path):
+    """A dynamo export's tied lm_head reads the embedding table through a Transpose: GPTQ now
+    quantizes it too (it was left to the preset), the embedding Gather keeps the float table,
+    and the artefact equals numpy's GPTQ of the table's transpose on the calibration rows;
+    weights named '*.weight' match their layers (the calibrated checkpoint named them in full
+    and matched none)."""
+    import qtvm.runtime
+
+    vocab, hidden = 50, 80  # K = 80: not a multiple of the group (64)
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed.weight", "ids"], ["h"], name="embed"),
+         helper.make_node("Transpose", ["embed.weight"], ["head"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "head"], ["logits"], name="lm_head")],
+        "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])],
+        [numpy_helper.from_array(table, "embed.weight")])
+    model = tmp_path / "tied.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(model))
+    ids = rng.integers(0, vocab, (4, 24)).astype(np.int64)
+    np.save(tmp_path / "calib.npy", ids)
+    out = tmp_path / "tied.so"
+    result = compile_model(model, out, "host", "gptq:int4-g64", calib=tmp_path / "calib.npy")
+    assert any("GPTQ (int4-g64) on 1 weights" in n for n in result.notes), result.notes
+    assert result.metadata["prequantized_matmuls"] == 1
+    q = gptq_quantize(np.ascontiguousarray(table.T), table[ids.reshape(-1)], get_format("int4-g64")).dequantize()
+    for batch, seq in ((1, 1), (2, 7)):
+        x = rng.integers(0, vocab, (batch, seq)).astype(np.int64)
+        want = table[x].astype(np.float64) @ q.astype(np.float64)
+        got = qtvm.runtime.load(str(out)).run({"ids": x})["logits"]
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5

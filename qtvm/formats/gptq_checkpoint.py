@@ -216,12 +216,19 @@ class GptqCheckpoint:
     # -- mapping onto an ONNX model (called by qtvm.frontend.quantized.lower_quantized) ----------
     def apply(self, lowering) -> None:
         graph = lowering.graph
-        weights = {}  # initializer -> (candidate names, [(node, transposed)])
+        producer = {o: n for n in graph.node for o in n.output}
+        weights = {}  # initializer -> (candidate names, [(node, reads [N, K], stored [N, K])])
         for node in graph.node:
-            transposed = lowering.weight_use(node)
-            if transposed is None or len(node.input) < 2 or node.input[1] not in lowering.inits:
+            reads_nk = lowering.weight_use(node)
+            if reads_nk is None or len(node.input) < 2:
                 continue
-            init = lowering.inits[node.input[1]]
+            name, flips = node.input[1], 0  # through Identity and 2-D Transpose (a dynamo export's tied lm_head)
+            while name not in lowering.inits and name in producer and _passes_weight(producer[name]):
+                flips += producer[name].op_type == "Transpose"
+                name = producer[name].input[0]
+            if name not in lowering.inits:
+                continue
+            init = lowering.inits[name]
             if len(init.dims) != 2 or init.data_type not in (1, 10, 16):  # float, float16, bfloat16
                 continue
             names = weights.setdefault(init.name, (set(), []))
@@ -230,7 +237,7 @@ class GptqCheckpoint:
                 path = node.name.strip("/").split("/")
                 if len(path) > 1 and path[-1].split("_")[0] == node.op_type:
                     names[0].add(".".join(path[:-1]))
-            names[1].append((node, transposed))
+            names[1].append((node, reads_nk, reads_nk != bool(flips % 2)))
         matches = _match(sorted(self.layers), {init: names for init, (names, _) in weights.items()})
         problems = []
         for prefix in sorted(self.layers):
@@ -250,8 +257,12 @@ class GptqCheckpoint:
                 continue
             init = lowering.inits[found[0]]
             uses = weights[found[0]][1]
+            if len({use[1:] for use in uses}) != 1:
+                problems.append(f"{prefix}: ONNX weight '{init.name}' is read in two layouts (directly and "
+                                "transposed); one packed copy cannot serve both")
+                continue
             rows, cols = init.dims
-            k, n = (cols, rows) if uses[0][1] else (rows, cols)
+            k, n = (cols, rows) if uses[0][2] else (rows, cols)
             layer = self.layer(prefix, k, n)
             if isinstance(layer, str):
                 problems.append(f"{prefix}: {layer} of ONNX weight '{init.name}' [{rows}, {cols}]")
@@ -261,17 +272,38 @@ class GptqCheckpoint:
             raise QtvmError(f"GPTQ checkpoint '{self.path}' does not fit the model: {'; '.join(problems)}",
                             "see `qtvm compile --help` for the name rule")
         for layer, init, uses in planned:
-            if uses[0][1]:  # the initializer is [N, K]: keep the weight in its orientation
+            if uses[0][1]:  # the node reads [N, K] (Gemm transB): the weight in that orientation
                 layer = BlockQuantized(layer.origin, layer.bits, np.ascontiguousarray(layer.codes.T),
                                        np.ascontiguousarray(layer.scales.T), np.ascontiguousarray(layer.zeros.T),
                                        1, layer.group_size, layer.g_idx)
             marker = lowering.add_marker(layer, "GPTQ")
-            for node, _ in uses:
+            for node, *_ in uses:
                 node.input[1] = marker
                 lowering.out.matmul_nodes.append(node.name or node.op_type)
+        _drop_dead_weight_paths(graph)
         if self.float_tensors:
             lowering.out.notes.append(f"GPTQ checkpoint: {self.float_tensors} float tensors ignored (the ONNX "
                                       "model's own weights are used)")
+
+
+def _passes_weight(node) -> bool:
+    """Identity, or a 2-D Transpose: what a weight reaches a matmul through (as weight_sources)."""
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return node.op_type == "Identity" or node.op_type == "Transpose" and perm in (None, [1, 0])
+
+
+def _drop_dead_weight_paths(graph) -> None:
+    """Identity/Transpose nodes nothing reads any more (their matmul now reads a marker): left,
+    the import would transpose the float weight for no one."""
+    from qtvm.frontend.onnx import graph_reads
+
+    while True:
+        read = graph_reads(graph) | {o.name for o in graph.output}
+        dead = [i for i, n in enumerate(graph.node) if _passes_weight(n) and not set(n.output) & read]
+        if not dead:
+            return
+        for i in reversed(dead):
+            del graph.node[i]
 
 
 def _match(prefixes: list[str], candidates: dict[str, set[str]]) -> dict[str, list[str]]:
