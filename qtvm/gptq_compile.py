@@ -1,16 +1,17 @@
 """``qtvm compile --quant gptq:<uniform preset> --calib FILE``: GPTQ as a compile option.
 
-The model's float MatMul/Gemm weights (``qtvm.report.constant_weights``: the rule the
-reference and the quantize report use), those a MatMul/Gemm reads as B itself, are GPTQ-quantized
+The model's float MatMul/Gemm weight initializers (``qtvm.report.constant_weights``: the rule the
+reference and the quantize report use) are GPTQ-quantized
 (``qtvm.formats.gptq.gptq_quantize``) on calibration activations: each layer's
 input, collected from one onnxruntime run of the float model on the calibration
 inputs (``qtvm.report.collect_layer_inputs``). The results are written as a GPTQ
 checkpoint (AutoGPTQ layout, one layer per weight initializer, named after it) and
 compiled exactly as ``--gptq CKPT`` is: the same repacking and kernels, so a layer's
 codes are the GPTQ codes and nothing is quantized twice (the temporary checkpoint keeps
-float32 scales and zero points as they are: ``gptq_v2``). A weight behind a Transpose
-(a dynamo export's tied lm_head) has no initializer name a checkpoint layer could match:
-it is quantized by the preset, as any float weight the checkpoint leaves.
+float32 scales and zero points as they are: ``gptq_v2``). A weight read through a Transpose
+(a dynamo export's tied lm_head) is a layer too (``GptqCheckpoint.apply`` follows the
+Transpose to the initializer); a Constant node's weight has no initializer name a layer could
+match: it is quantized by the preset, as any float weight the checkpoint leaves.
 
 Calibration file: ``.npz`` with one array per model input (by name), or ``.npy`` for
 a model with one input. Every position of every row is a calibration sample.

@@ -625,12 +625,12 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def report_command(args) -> int:
+    from qtvm.frontend.bind import parse_bind_options
+
     if args.json:
         _check_json_path(args.json)  # fail before the work, not after
     inputs = dict(_parse_input(t) for t in args.input) if args.input else None
     calib = dict(_parse_input(t) for t in args.calib_input) if args.calib_input else None
-    from qtvm.frontend.bind import parse_bind_options
-
     report = quantize_report(args.model, args.formats.split(","), calib, inputs=inputs, seed=args.seed,
                              progress=lambda line: print(line, file=sys.stderr, flush=True),
                              binds=parse_bind_options(args.bind))

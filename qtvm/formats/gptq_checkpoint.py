@@ -215,6 +215,8 @@ class GptqCheckpoint:
 
     # -- mapping onto an ONNX model (called by qtvm.frontend.quantized.lower_quantized) ----------
     def apply(self, lowering) -> None:
+        from qtvm.frontend.onnx import passes_weight
+
         graph = lowering.graph
         producer = {o: n for n in graph.node for o in n.output}
         weights = {}  # initializer -> (candidate names, [(node, reads [N, K], stored [N, K])])
@@ -223,7 +225,7 @@ class GptqCheckpoint:
             if reads_nk is None or len(node.input) < 2:
                 continue
             name, flips = node.input[1], 0  # through Identity and 2-D Transpose (a dynamo export's tied lm_head)
-            while name not in lowering.inits and name in producer and _passes_weight(producer[name]):
+            while name not in lowering.inits and name in producer and passes_weight(producer[name]):
                 flips += producer[name].op_type == "Transpose"
                 name = producer[name].input[0]
             if name not in lowering.inits:
@@ -286,20 +288,14 @@ class GptqCheckpoint:
                                       "model's own weights are used)")
 
 
-def _passes_weight(node) -> bool:
-    """Identity, or a 2-D Transpose: what a weight reaches a matmul through (as weight_sources)."""
-    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-    return node.op_type == "Identity" or node.op_type == "Transpose" and perm in (None, [1, 0])
-
-
 def _drop_dead_weight_paths(graph) -> None:
     """Identity/Transpose nodes nothing reads any more (their matmul now reads a marker): left,
     the import would transpose the float weight for no one."""
-    from qtvm.frontend.onnx import graph_reads
+    from qtvm.frontend.onnx import graph_reads, passes_weight
 
     while True:
         read = graph_reads(graph) | {o.name for o in graph.output}
-        dead = [i for i, n in enumerate(graph.node) if _passes_weight(n) and not set(n.output) & read]
+        dead = [i for i, n in enumerate(graph.node) if passes_weight(n) and not set(n.output) & read]
         if not dead:
             return
         for i in reversed(dead):

@@ -307,6 +307,12 @@ def graph_scopes(graph: onnx.GraphProto, outer: tuple = ()):
             yield from graph_scopes(sub, (*outer, graph))
 
 
+def passes_weight(node: onnx.NodeProto) -> bool:
+    """Identity, or a 2-D Transpose: what a constant weight reaches a matmul's B through."""
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return node.op_type == "Identity" or node.op_type == "Transpose" and perm in (None, [1, 0])
+
+
 def weight_sources(model: onnx.ModelProto, scopes: list | None = None) -> list[WeightSource]:
     """Every MatMul/Gemm whose B is a constant 2-D float weight (``WEIGHT_TYPES``), directly or through
     Identity and 2-D Transpose nodes (dynamo exports a tied lm_head as MatMul(x,
@@ -326,16 +332,12 @@ def weight_sources(model: onnx.ModelProto, scopes: list | None = None) -> list[W
             transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
             while name not in arrays and name in producer:
                 p = producer[name]
-                perm = next((list(a.ints) for a in p.attribute if a.name == "perm"), None)
                 if p.op_type == "Constant" and any(a.name == "value" for a in p.attribute):
                     arrays[name] = next(a.t for a in p.attribute if a.name == "value")
                     break
-                if p.op_type == "Identity":
-                    name = p.input[0]
-                elif p.op_type == "Transpose" and perm in (None, [1, 0]):
-                    name, transposed = p.input[0], not transposed
-                else:
+                if not passes_weight(p):
                     break
+                name, transposed = p.input[0], transposed != (p.op_type == "Transpose")
             tensor = arrays.get(name)
             if tensor is not None and len(tensor.dims) == 2 and tensor.data_type in WEIGHT_TYPES:
                 out.append(WeightSource(node, index, name, tensor, transposed, graph))
