@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qtvm.bench.harness import turn_order
 from qtvm.models.hf_cache import flat_cache_module
 
 DEFAULT = {"hidden": 2048, "layers": 8, "intermediate": 5632, "vocab": 32000, "heads": 32, "kv_heads": 4}
@@ -242,7 +243,7 @@ class OrtEngine:
 
 def child(files: dict, threads: int, prompt: int, decode: int, rounds: int, gap_s: float = 0.2) -> dict:
     """One thread count in its own process: every engine loaded, checked, then timed in
-    interleaved rounds."""
+    interleaved rounds, the order rotated each round (``harness.turn_order``)."""
     rng = np.random.default_rng(0)
     engines = {}
     for name, path in files.items():
@@ -259,8 +260,10 @@ def child(files: dict, threads: int, prompt: int, decode: int, rounds: int, gap_
         firsts[name] = first[0]
         if not np.all(np.isfinite(first)):
             raise RuntimeError(f"{name}: non-finite logits")
+    names = list(engines)
     for r in range(rounds):
-        for name, engine in engines.items():
+        for name in (names[j] for j in turn_order(len(names), r)):
+            engine = engines[name]
             time.sleep(gap_s)  # the previous runtime's pool winds down first
             tokens, t_pre, t_dec, _ = engine.generate(ids, decode + 1)
             results[name]["prefill_s"].append(t_pre)

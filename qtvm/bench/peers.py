@@ -585,7 +585,7 @@ def benchmark_peers(
     ``{"results": [BenchResult dicts], "bandwidth_probes": {...}}``.
 
     For each shape all peers' rotation copies are built first, then timed in
-    ``rounds`` interleaved rounds (peer A, B, C, A, B, C, ...), each round
+    ``rounds`` interleaved rounds (peer A, B, C, then B, C, A, ...: ``harness.turn_order``), each round
     bracketed by short read-bandwidth probes at the same thread count. On a
     shared (virtualised) host the bandwidth -- and at 2 threads even whether
     the two vCPUs run in parallel -- changes over seconds; interleaving
@@ -659,44 +659,49 @@ def benchmark_peers(
             busy_seen: list[float] = []
             times: list[list[float]] = [[] for _ in bases]
             round_meds: list[list[float]] = [[] for _ in bases]
+            round_turns: list[list[int]] = [[] for _ in bases]  # each accepted round's turn (0: after the probe)
             bw_probes: list[float] = []
             rejected: list[list[float]] = []
             accepted = attempts = 0
             first = True
-            pending: list[tuple[list[list[float]], float, float]] = []
+            pending: list[tuple[list[list[float]], list[int], float, float]] = []
             while accepted < rounds and attempts < max(rounds, max_rounds):
                 attempts += 1
                 if quiet_wait_s > 0:
                     busy_seen.append(harness.wait_for_quiet(quiet_wait_s)[0])
                 time.sleep(gap_s)
                 before = probe.measure(threads, repeats=2, streams=(1, 2, 4))
-                got: list[list[float]] = []
-                for j, copies in enumerate(rot):
+                got: list[list[float]] = [[] for _ in rot]
+                order = harness.turn_order(len(rot), attempts - 1)
+                for j in order:
+                    copies = rot[j]
                     time.sleep(gap_s)
                     total_iters = max(min_iters, iters_per_copy * len(copies))
                     per_round = -(-total_iters // rounds)
-                    got.append(harness.time_rotating(
+                    got[j] = harness.time_rotating(
                         lambda p: p.run(), copies, warmup=warmup, iters=per_round, touch_all=first
-                    ))
+                    )
                 first = False
                 time.sleep(gap_s)
                 after = probe.measure(threads, repeats=2, streams=(1, 2, 4))
                 ref_bw = max(ref_bw, before, after)
-                pending.append((got, before, after))
+                pending.append((got, order, before, after))
                 if min(before, after) >= min_probe_ratio * ref_bw:
                     accepted += 1
                     for j, t in enumerate(got):
                         times[j] += t
                         round_meds[j].append(harness.median(t) * 1e6)
+                        round_turns[j].append(order.index(j))
                     bw_probes += [before, after]
                 else:
                     rejected.append([before, after])
             unstable = accepted == 0
             if unstable:  # never a quiet round: report everything, flagged
-                for got, before, after in pending:
+                for got, order, before, after in pending:
                     for j, t in enumerate(got):
                         times[j] += t
                         round_meds[j].append(harness.median(t) * 1e6)
+                        round_turns[j].append(order.index(j))
                     bw_probes += [before, after]
             bw_med = harness.median(bw_probes)
             probes_by_shape[f"{K}x{N}"] = bw_probes
@@ -710,6 +715,7 @@ def benchmark_peers(
                     "n_copies": len(rot[j]),
                     "rotated_bytes": len(rot[j]) * base.weight_bytes,
                     "round_median_us": round_meds[j],
+                    "round_turn": round_turns[j],
                     "bw_probe_gbps": bw_probes,
                     "bw_reference_gbps": ref_bw,
                     "rejected_round_probes": rejected,

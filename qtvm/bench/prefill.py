@@ -18,8 +18,8 @@ no DRAM rotation is needed (unlike ``qtvm bench gemv``). Kernels timed:
 Each thread count runs in a fresh process (TVM sizes its pool once, from
 ``TVM_NUM_THREADS``); every kernel is checked against a float64 reference of
 the weights it actually holds before it is timed, and the timing is
-interleaved (A, B, C, A, B, C, ...) so the noise of a shared machine is spread
-over all kernels instead of charged to whichever ran last. Reported: medians
+interleaved (A, B, C, then B, C, A, ...) so the noise of a shared machine is spread
+over all kernels instead of charged to whichever ran last, or first. Reported: medians
 of all timed calls.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qtvm.bench.harness import POOL_WIND_DOWN_S
+from qtvm.bench.harness import POOL_WIND_DOWN_S, turn_order
 
 DEFAULT_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N) of LLaMA-7B's projections
 DEFAULT_ROWS = (16, 64, 128)
@@ -312,7 +312,7 @@ def time_interleaved(kernels, rounds: int, budget_s: float, min_calls: int = 3,
     """Per kernel: (all call times in seconds, per-round medians), kernels bound already.
 
     Warm-up first (caches, lazily allocated buffers, thread pools started);
-    then ``rounds`` rounds of A, B, C, ..., each kernel called for at least
+    then ``rounds`` rounds of A, B, C, then B, C, A, ... (``harness.turn_order``), each kernel called for at least
     ``budget_s`` and ``min_calls`` times per round. Before each kernel's turn
     the process idles ``gap_s`` (``harness.POOL_WIND_DOWN_S``: the previous
     runtime's pool workers stop spinning); then one untimed call.
@@ -324,8 +324,9 @@ def time_interleaved(kernels, rounds: int, budget_s: float, min_calls: int = 3,
             k.run()
             n += 1
     out = [([], []) for _ in kernels]
-    for _ in range(rounds):
-        for k, (times, meds) in zip(kernels, out):
+    for r in range(rounds):
+        for j in turn_order(len(kernels), r):
+            k, (times, meds) = kernels[j], out[j]
             time.sleep(gap_s)
             k.run()
             got: list[float] = []

@@ -239,3 +239,26 @@ def test_benchmark_peers_idles_before_each_turn(monkeypatch):
     assert len(timed) == 2 * (2 + 2)  # 2 rounds: a probe, 2 turns, a probe
     assert all(events[i - 1] == ("sleep", 0.125) for i in timed)
     assert events.count(("sleep", 0.125)) == len(timed) + 2  # and one before each peer's cache-hot timing
+
+
+def test_turn_order_rotates_so_each_peer_follows_the_probe_equally():
+    from qtvm.bench.harness import turn_order
+
+    assert [turn_order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert turn_order(1, 5) == [0] and turn_order(0, 2) == []
+
+
+def test_benchmark_peers_rotates_the_turns_and_records_them(monkeypatch):
+    """Round r starts with peer r mod P (a fixed order put one peer after every probe), and each
+    result records its turn per accepted round; a rejected round still advances the rotation."""
+    from qtvm.bench import bandwidth
+
+    script = iter([10.0, 10.0, 10.0, 4.0, 10.0] + [10.0] * 50)  # reference; round 1 ok; round 2 rejected
+    monkeypatch.setattr(bandwidth.BandwidthProbe, "measure", lambda self, *a, **k: next(script))
+    out = peers.benchmark_peers([(256, 96)], 1, ["torch_fp32", "torch_fp32", "torch_fp32"], min_total_bytes=300_000,
+                                l3_bytes=16_384, probe_bytes=1 << 16, rounds=3, min_iters=4, hot_iters=2,
+                                gap_s=0.0)
+    rs = out["results"]
+    # orders: round 1 (0 1 2) accepted, round 2 (1 2 0) rejected, rounds 3 (2 0 1) and 4 (0 1 2) accepted
+    assert [r["extras"]["round_turn"] for r in rs] == [[0, 1, 0], [1, 2, 1], [2, 0, 2]]
+    assert all(r["extras"]["accepted_rounds"] == 3 for r in rs)

@@ -138,3 +138,25 @@ def test_in_process_ort_peer_leaves_later_sessions_alone(kernels):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     assert sess.run(None, {"x": np.array([-1.0, 2.0], np.float32)})[0].tolist() == [0.0, 2.0]
+
+
+def test_time_interleaved_rotates_the_order_each_round(monkeypatch):
+    """Kernels take turns A B C, B C A, C A B: none always runs first (or last) in a round."""
+    from qtvm.bench import prefill
+
+    monkeypatch.setattr(prefill.time, "sleep", lambda s: None)
+    calls = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self):
+            calls.append(self.name)
+
+    out = prefill.time_interleaved([Kernel("a"), Kernel("b"), Kernel("c")], rounds=3, budget_s=0.0, min_calls=1,
+                                   warmup_s=0.0)
+    timed = calls[6:]  # two warm-up calls each
+    firsts = [timed[i] for i in range(0, len(timed), 2)]  # each turn: one untimed call, one timed
+    assert firsts == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [len(times) for times, _ in out] == [3, 3, 3]
