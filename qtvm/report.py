@@ -260,7 +260,6 @@ class _Weight:
     k: int
     n: int
     tensor: object = None  # the onnx.TensorProto holding it, as stored
-    direct: bool = True  # every consumer reads the initializer itself as B (what a GPTQ checkpoint can name)
 
 
 def constant_weights(model) -> list[_Weight]:
@@ -275,26 +274,23 @@ def constant_weights(model) -> list[_Weight]:
     from qtvm.formats.base import check_weight
     from qtvm.frontend.onnx import tensor_array, weight_sources
 
-    inits = {t.name for t in model.graph.initializer}
     by_name: dict[str, _Weight] = {}
     for src in weight_sources(model, [(model.graph, ())]):
         node = src.node
         node_name = node.name or f"{node.op_type}_{src.index}"
         trans_a = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
-        direct = src.name == node.input[1] and src.name in inits
         if src.name in by_name:  # shared: quantized once (as its first consumer sees it), calibrated by all
             w = by_name[src.name]
             if w.trans_b == src.transposed:
                 w.nodes.append(node_name)
                 w.act_inputs.append((node.input[0], trans_a))
-                w.direct = w.direct and direct
             continue
         if len(src.tensor.dims) != 2 or src.tensor.data_type != onnx.TensorProto.FLOAT:
             continue
         rows, cols = (int(d) for d in src.tensor.dims)
         k, n = (cols, rows) if src.transposed else (rows, cols)
         by_name[src.name] = _Weight(src.name, [node_name], [(node.input[0], trans_a)], src.transposed, k, n,
-                                    src.tensor, direct)
+                                    src.tensor)
     if not by_name:
         raise QtvmError("the model has no MatMul/Gemm with a constant float32 2-D weight, so there is nothing "
                         "to quantize", "export with constant folding so Linear weights become MatMul/Gemm "

@@ -150,7 +150,8 @@ def test_merged_decoder_calibrated_on_the_bound_branch(hf_model, tmp_path):
     bind_inputs(bound, {"use_cache_branch": "1"})
     np.savez(tmp_path / "calib.npz", **prepare_inputs(bound, None)[0])
     with CalibratedCheckpoint(path, "gptq:int4-g32", tmp_path / "calib.npz", {"use_cache_branch": "1"}) as ckpt:
-        weights = [w for w in constant_weights(bound) if w.direct]
+        inits = {t.name for t in bound.graph.initializer}
+        weights = [w for w in constant_weights(bound) if w.init_name in inits]
         assert len(weights) == 15 and ckpt.notes[0].startswith("GPTQ (int4-g32) on 15 weights")
 
 

