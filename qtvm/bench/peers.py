@@ -585,7 +585,11 @@ def benchmark_peers(
     ``{"results": [BenchResult dicts], "bandwidth_probes": {...}}``.
 
     For each shape all peers' rotation copies are built first, then timed in
-    ``rounds`` interleaved rounds (peer A, B, C, then B, C, A, ...: ``harness.turn_order``), each round
+    ``rounds`` interleaved rounds (peer A, B, C, then B, C, A, ...: ``harness.turn_order``); each
+    turn first calls every copy once, untimed, so it is timed as it streams its weights in a
+    steady loop, as a decode step does, not on the first pass after another runtime's (on the
+    Intel Xeon VM a turn warmed by 5 calls ran int4 at 1093 us median, spread 871-1348, and
+    MatMulNBits at 1283; warmed over every copy 756 us, 712-792, and 1032: 6 alternations). Each round
     bracketed by short read-bandwidth probes at the same thread count. On a
     shared (virtualised) host the bandwidth -- and at 2 threads even whether
     the two vCPUs run in parallel -- changes over seconds; interleaving
@@ -663,7 +667,6 @@ def benchmark_peers(
             bw_probes: list[float] = []
             rejected: list[list[float]] = []
             accepted = attempts = 0
-            first = True
             pending: list[tuple[list[list[float]], list[int], float, float]] = []
             while accepted < rounds and attempts < max(rounds, max_rounds):
                 attempts += 1
@@ -679,9 +682,8 @@ def benchmark_peers(
                     total_iters = max(min_iters, iters_per_copy * len(copies))
                     per_round = -(-total_iters // rounds)
                     got[j] = harness.time_rotating(
-                        lambda p: p.run(), copies, warmup=warmup, iters=per_round, touch_all=first
+                        lambda p: p.run(), copies, warmup=warmup, iters=per_round, touch_all=True
                     )
-                first = False
                 time.sleep(gap_s)
                 after = probe.measure(threads, repeats=2, streams=(1, 2, 4))
                 ref_bw = max(ref_bw, before, after)

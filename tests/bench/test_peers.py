@@ -250,11 +250,15 @@ def test_turn_order_rotates_so_each_peer_follows_the_probe_equally():
 
 def test_benchmark_peers_rotates_the_turns_and_records_them(monkeypatch):
     """Round r starts with peer r mod P (a fixed order put one peer after every probe), and each
-    result records its turn per accepted round; a rejected round still advances the rotation."""
-    from qtvm.bench import bandwidth
+    result records its turn per accepted round; a rejected round still advances the rotation.
+    Every turn calls each of its copies once before timing (not only the first round's)."""
+    from qtvm.bench import bandwidth, harness
 
     script = iter([10.0, 10.0, 10.0, 4.0, 10.0] + [10.0] * 50)  # reference; round 1 ok; round 2 rejected
     monkeypatch.setattr(bandwidth.BandwidthProbe, "measure", lambda self, *a, **k: next(script))
+    touched = []
+    real_rotating = harness.time_rotating
+    monkeypatch.setattr(harness, "time_rotating", lambda *a, **k: touched.append(k["touch_all"]) or real_rotating(*a, **k))
     out = peers.benchmark_peers([(256, 96)], 1, ["torch_fp32", "torch_fp32", "torch_fp32"], min_total_bytes=300_000,
                                 l3_bytes=16_384, probe_bytes=1 << 16, rounds=3, min_iters=4, hot_iters=2,
                                 gap_s=0.0)
@@ -262,3 +266,4 @@ def test_benchmark_peers_rotates_the_turns_and_records_them(monkeypatch):
     # orders: round 1 (0 1 2) accepted, round 2 (1 2 0) rejected, rounds 3 (2 0 1) and 4 (0 1 2) accepted
     assert [r["extras"]["round_turn"] for r in rs] == [[0, 1, 0], [1, 2, 1], [2, 0, 2]]
     assert all(r["extras"]["accepted_rounds"] == 3 for r in rs)
+    assert touched == [True] * 12  # 4 rounds x 3 turns
