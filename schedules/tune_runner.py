@@ -90,9 +90,12 @@ class ColdRunner(ms.runner.PyRunner):
             per_copy = sum(int(np.prod([int(d) for d in a.shape])) * tvm.DataType(str(a.dtype)).bits // 8
                            for a in args_info)
             n = min(MAX_COPIES, rotation_count(max(per_copy, 1), self.min_total_bytes, l3_bytes=self.l3))
+            from qtvm.hugepages import NewMemoryOnHugePages
+
             rng = np.random.default_rng(0)
-            first = [_random_tensor(a, rng) for a in args_info]
-            self._copies[key] = [first] + [[tvm.runtime.tensor(t.numpy()) for t in first] for _ in range(n - 1)]
+            with NewMemoryOnHugePages():  # on the pages a loaded artefact's weights get (qtvm.runtime)
+                first = [_random_tensor(a, rng) for a in args_info]
+                self._copies[key] = [first] + [[tvm.runtime.tensor(t.numpy()) for t in first] for _ in range(n - 1)]
         return self._copies[key]
 
     def time_function(self, func, args_info) -> list[float]:

@@ -190,7 +190,18 @@ def test_cold_runner_rotates_more_than_the_cache(target, monkeypatch):
     lib = compile_kernel(tune.specialize_rows(func, 1), target)
     runner = tune_runner.ColdRunner(rounds=3, calls_per_round=4, min_total_bytes=1 << 20, l3_bytes=1 << 18)
     info = tvm.s_tir.meta_schedule.arg_info.ArgInfo.from_prim_func(tune.specialize_rows(func, 1))
+    from qtvm import hugepages
+
+    made = []  # the copies are made where huge pages are asked for, as a loaded artefact's weights are
+
+    class Recording(hugepages.NewMemoryOnHugePages):
+        def finish(self):
+            made.append(len(runner._copies))
+            return super().finish()
+
+    monkeypatch.setattr(hugepages, "NewMemoryOnHugePages", Recording)
     secs = runner.time_function(lib["main"], info)
+    assert made == [1]  # one block, which made the copies
     assert len(secs) == 3 and all(s > 0 for s in secs)
     (copies,) = runner._copies.values()
     per_copy = sum(t.numpy().nbytes for t in copies[0])
