@@ -16,7 +16,8 @@ Times, in one process and interleaved (order rotated each round), on the same ro
     python benchmarks/c_twin_gemv.py                      # the bench's rotation, then 8 GiB
     python benchmarks/c_twin_gemv.py --rotations-mib 0 4096 --json out/twin.json
 
-Needs gcc and AVX-512 VNNI (the twin's intrinsics). One thread (TVM_NUM_THREADS=1), weights on
+Needs gcc, AVX-512 VNNI (the twin's intrinsics) and about twice the largest rotation in RAM (the
+probe's buffer is as large as the rotation). One thread (TVM_NUM_THREADS=1), weights on
 huge pages as the bench puts them (glibc.malloc.hugetlb=1, set here before anything allocates).
 """
 from __future__ import annotations

@@ -590,7 +590,7 @@ def benchmark_peers(
     steady loop, as a decode step does, not on the first pass after another runtime's (on the
     Intel Xeon VM a turn warmed by 5 calls ran int4 at 1093 us median, spread 871-1348, and
     MatMulNBits at 1283; warmed over every copy 756 us, 712-792, and 1032: 6 alternations). Each round
-    bracketed by short read-bandwidth probes at the same thread count. On a
+    is bracketed by short read-bandwidth probes at the same thread count. On a
     shared (virtualised) host the bandwidth -- and at 2 threads even whether
     the two vCPUs run in parallel -- changes over seconds; interleaving
     spreads that over all peers instead of charging it to whichever ran last,
