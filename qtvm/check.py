@@ -348,12 +348,12 @@ def _with_checkpoint_weights(model_path, meta: dict, gptq, gptq_format, calib):
         raise QtvmError("the artefact's weights came from a GPTQ checkpoint, which the check needs to know what "
                         "they should be", f"pass {'--calib FILE (the one compiled with)' if calibrated else '--gptq CKPT'}")
     binds = meta.get("bound_inputs", {})
-    model = load_onnx(model_path)
-    bind_inputs(model, binds)
-    if calibrated:
+    if calibrated:  # the calibration's model, loaded and bound once (the run copies it)
         with CalibratedCheckpoint(model_path, meta["format"], calib, binds) as made:
-            lowered = lower_quantized(model, GptqCheckpoint(made.path), in_place=True)
+            lowered = lower_quantized(made.model, GptqCheckpoint(made.path), in_place=True)
     else:
+        model = load_onnx(model_path)
+        bind_inputs(model, binds)
         lowered = lower_quantized(model, GptqCheckpoint(gptq, gptq_format), in_place=True)
     graph = lowered.model.graph
     markers = set(lowered.weights)
