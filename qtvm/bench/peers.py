@@ -663,11 +663,19 @@ def benchmark_peers(
             busy_seen: list[float] = []
             times: list[list[float]] = [[] for _ in bases]
             round_meds: list[list[float]] = [[] for _ in bases]
-            round_turns: list[list[int]] = [[] for _ in bases]  # each accepted round's turn (0: after the probe)
+            round_turns: list[list[int]] = [[] for _ in bases]  # each reported round's turn (0: after the probe)
             bw_probes: list[float] = []
             rejected: list[list[float]] = []
             accepted = attempts = 0
             pending: list[tuple[list[list[float]], list[int], float, float]] = []
+
+            def keep(got: list[list[float]], order: list[int], before: float, after: float) -> None:
+                for j, t in enumerate(got):
+                    times[j] += t
+                    round_meds[j].append(harness.median(t) * 1e6)
+                    round_turns[j].append(order.index(j))
+                bw_probes.extend((before, after))
+
             while accepted < rounds and attempts < max(rounds, max_rounds):
                 attempts += 1
                 if quiet_wait_s > 0:
@@ -690,21 +698,13 @@ def benchmark_peers(
                 pending.append((got, order, before, after))
                 if min(before, after) >= min_probe_ratio * ref_bw:
                     accepted += 1
-                    for j, t in enumerate(got):
-                        times[j] += t
-                        round_meds[j].append(harness.median(t) * 1e6)
-                        round_turns[j].append(order.index(j))
-                    bw_probes += [before, after]
+                    keep(got, order, before, after)
                 else:
                     rejected.append([before, after])
             unstable = accepted == 0
             if unstable:  # never a quiet round: report everything, flagged
-                for got, order, before, after in pending:
-                    for j, t in enumerate(got):
-                        times[j] += t
-                        round_meds[j].append(harness.median(t) * 1e6)
-                        round_turns[j].append(order.index(j))
-                    bw_probes += [before, after]
+                for attempt in pending:
+                    keep(*attempt)
             bw_med = harness.median(bw_probes)
             probes_by_shape[f"{K}x{N}"] = bw_probes
             hot, kernel_hot = [], []
