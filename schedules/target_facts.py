@@ -101,9 +101,9 @@ class CpuFacts:
     a8_pass_cols:     columns of one pass of the int8 GEMV over a group's rows (a multiple of
                       16), 0 = the whole column block in one pass (the default, measured on the
     a8_pass_source:   Intel Xeon VM); where a table row measured otherwise, it names its CPU.
-    a8_fold_k:        K values whose group partials the int8 GEMV folds into its accumulators
-    a8_fold_source:   at once (a multiple of the group, which divides the groups), 0 = each group
-                      as it ends (the default); only groups of 64 fold later (a measured row).
+    a8_fold_group:    the group size (values) whose int8 GEMV folds two groups' partials into its
+    a8_fold_source:   accumulators at once, 0 = every group as it ends (the default); a measured
+                      row names the one group size that streamed faster so on its CPU.
     prefill_prefetch: whether the int8 prefill kernel (4-row tiles: compute-bound) prefetches
     prefill_prefetch_source: its weights like the GEMV (default) or not (a measured row).
     lut_prefetch_bytes:     how far ahead the 16-entry LUT GEMV (BCQ) prefetches its bit stream,
@@ -131,7 +131,7 @@ class CpuFacts:
     prefetch_source: str = "default"
     a8_pass_cols: int = 0
     a8_pass_source: str = "default"
-    a8_fold_k: int = 0
+    a8_fold_group: int = 0
     a8_fold_source: str = "default"
     prefill_prefetch: bool = True
     prefill_prefetch_source: str = "default"
@@ -221,7 +221,7 @@ _TABLE: dict[str, _CpuSpec] = {
                                               "process: 2 KiB into L2 1.16-1.59x faster than the 6 KiB default at 1 "
                                               "thread, 1.13-1.19x at 2; 1-3 KiB alike, 4 KiB and more, 16-column "
                                               "passes and any prefetch into L1 slower (L1: 0.6-0.8x)",
-                           "a8_fold_k": 128,
+                           "a8_fold_group": 64,
                            "a8_fold_source": "AMD EPYC Zen 4 VM (2 vCPUs): int8 GEMVs, 1 thread, DRAM-cold, "
                                              "interleaved: two groups' partials zeroed together and folded at once "
                                              "1.21-1.31x faster for int4-g64 (4096^2, 11008 x 4096; 4 runs, the "
@@ -272,7 +272,15 @@ _TABLE: dict[str, _CpuSpec] = {
     "tigerlake": _CpuSpec("avx512", 48 * _KIB, 1280 * _KIB, 12 * _MIB, 4, 3.0,
                           fma256=2, valu256=3, fma512=1, valu512=2, part="Core i7-1185G7"),
     "rocketlake": _CpuSpec("avx512", 48 * _KIB, 512 * _KIB, 16 * _MIB, 8, 3.5,
-                           fma256=2, valu256=3, fma512=1, valu512=2, part="Core i9-11900K"),
+                           fma256=2, valu256=3, fma512=1, valu512=2, part="Core i9-11900K",
+                           measured={
+                               "a8_fold_group": 128,
+                               "a8_fold_source": "Intel Xeon VM that LLVM names rocketlake (family 6 model 167, "
+                                                 "480 MiB L3, 2 vCPUs): int8 GEMVs, DRAM-cold, interleaved A/B "
+                                                 "in one process, 5 rounds: two groups of 128 folded at once "
+                                                 "1.02-1.08x faster at 4096 x 11008 (int4, int3, int2; 1 and 2 "
+                                                 "threads), 0.98-1.01x at 4096^2 and 11008 x 4096 (int4, int3), "
+                                                 "e0m4 1.02x; int4-g64 folded two 0.98x, four 0.94x"}),
     "alderlake": _CpuSpec("avx2", 48 * _KIB, 1280 * _KIB, 30 * _MIB, 16, 3.2,
                           fma256=2, valu256=3, part="Core i9-12900K (P-core caches; 8P+8E)"),
     # Intel server (Gold 6xxx / Platinum parts: two 512-bit FMA units per core)

@@ -60,6 +60,9 @@ def test_space_has_a_design_space_per_streams_prefetch_and_fold(model, target):
 
 @pytest.mark.parametrize("mcpu, preset, k, folds, analytic", [
     ("znver4", "int4-g64", 1000, (1, 2, 4), 2),  # 16 groups; Zen 4's measured fold
+    ("znver4", "int4-g128", 4096, (1, 2), 1),  # Zen 4 folds groups of 64 only
+    ("rocketlake", "int4-g128", 4096, (1, 2), 2),  # the Intel Xeon VM's measured fold
+    ("rocketlake", "int4-g64", 4096, (1, 2, 4), 1),  # ... of groups of 128 only
     ("znver5", "int4-g64", 1000, (1, 2, 4), 1),  # 16-column passes: no fold
     ("haswell", "int4-g128", 4096, (1, 2), 1),  # at most 256 rows a fold
     ("haswell", "int3-g128", 300, (1,), 1),  # 3 groups
