@@ -304,17 +304,16 @@ def a8_tile_cols(target: tvm.target.Target, cols: int) -> int:
 
 def a8_fold_groups(target: tvm.target.Target, desc) -> int:
     """Groups whose partials the int8 GEMV folds into its accumulators at once: 2 where the
-    target's measured ``a8_fold_group`` is this kernel's group (> 32 values) and the groups are
-    even, else 1. Zen 4 streamed groups of 64 1.2-1.4x faster so, the Intel Xeon VM (LLVM:
-    rocketlake) groups of 128 1.02-1.08x at 4096 x 11008 (``target_facts``), with the same
-    arithmetic in the same order; folding four groups, or two of another size, ran slower on
-    both, so a row names one size. Zen 4 also gained 1.03-1.2x with the fold's blocks in one
+    target's measured ``a8_fold_group`` is this kernel's group and the groups are even, else 1.
+    Zen 4 streamed groups of 64 1.2-1.4x faster so, the Intel Xeon VM (LLVM: rocketlake) groups
+    of 128 1.02-1.08x at 4096 x 11008 (``target_facts``), with the same arithmetic in the same
+    order; folding four groups, or two of another size, ran slower on both, so a row names one
+    size. Zen 4 also gained 1.03-1.2x with the fold's blocks in one
     rolled loop (LLVM unrolls a group's two blocks into one body; a rolled loop of one block a
     step is how groups of 128 stream). The ``fold_groups`` knob still tunes any fold."""
     from schedules.target_facts import schedule_facts
 
-    group = int(desc["group"])
-    if group <= ops.ACT_BLOCK or group != schedule_facts(target).a8_fold_group or group_count(desc) % 2:
+    if int(desc["group"]) != schedule_facts(target).a8_fold_group or group_count(desc) % 2:
         return 1
     return 2
 
