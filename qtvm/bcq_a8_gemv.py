@@ -37,7 +37,7 @@ from tvm import te, tirx
 
 from qtvm.errors import QtvmError
 from qtvm.formats.base import QuantFormat, QuantizedTensor
-from qtvm.ops import BLOCK_ACC, BLOCK_OUT, BLOCK_XSUM, FORMAT_ATTR, KERNEL_ATTR
+from qtvm.ops import BLOCK_XSUM
 
 KERNEL = "bcq_a8_gemv"
 BLOCK_LUT, BLOCK_PARTIAL = "nibble_tables", "bcq_partial"
@@ -61,7 +61,7 @@ def bcq_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Prim
     """PrimFunc(x[m, k], bits, alpha, bias (column-blocked, as stored), y[m, n]): y = x_hat @ W,
     x rounded to int8 per weight group. Same arguments as ``lut16_a8_gemv_func``; the kernel
     attribute is ``bcq_a8_gemv``."""
-    from qtvm.lut_gemv import _inputs, round_x_per_group
+    from qtvm.lut_gemv import _inputs, a8_group_scale, bcq_output_func, round_x_per_group
 
     desc = fmt.describe()
     if desc.get("family") != "bcq" or not supports(fmt, k):
@@ -70,7 +70,7 @@ def bcq_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Prim
     q, kp, gs = int(desc["planes"]), fmt.padded_k(k), fmt.group_size_for(k)
     m, x, xk, stored = _inputs(fmt, k, n, nb)
     ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // WORD_BITS, gs // WORD_BITS
-    bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
+    bits = stored["bits"]
     amax, xq = round_x_per_group(m, xk, kp, gs)
 
     rj = te.reduce_axis((0, 4), name="j")
@@ -100,19 +100,9 @@ def bcq_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Prim
     rs = te.reduce_axis((0, gs), name="s")
     qsum = te.compute((m, ngroups), lambda i, g: te.sum(xq[i, g * gs + rs].astype("int32"), axis=rs),
                       name=BLOCK_XSUM)
-    rg = te.reduce_axis((0, ngroups), name="g")
-
-    def group_term(i, j):
-        total = bias[j // nb, rg, j % nb] * qsum[i, rg].astype("float32")
-        for t in range(q):
-            total = total + alpha[j // nb, rg * q + t, j % nb] * partial[i, rg, t, j].astype("float32")
-        return amax[i, rg] * tirx.const(1.0 / 127.0, "float32") * total
-
-    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
-    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
-    func = te.create_prim_func([x, *stored.values(), y])
     info = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=q, mu=4, activations="int8")
-    return func.with_attrs({KERNEL_ATTR: KERNEL, FORMAT_ATTR: info})
+    return bcq_output_func(x, stored, m, n, nb, ngroups, q, lambda i, g, t, j: partial[i, g, t, j].astype("float32"),
+                           lambda i, g: qsum[i, g].astype("float32"), KERNEL, info, group_scale=a8_group_scale(amax))
 
 
 def reference(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:

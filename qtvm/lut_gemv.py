@@ -45,6 +45,27 @@ def _inputs(fmt: QuantFormat, k: int, n: int, nb: int):
     return m, x, padded_reader(x, k, fmt.padded_k(k)), weight_inputs(fmt, k, n, nb)[0]
 
 
+def bcq_output_func(x, stored: dict, m, n: int, nb: int, ngroups: int, q: int, plane, xsum, kernel: str, info: dict,
+                    group_scale=None) -> tvm.tirx.PrimFunc:
+    """The BCQ table kernels' common tail: per group, sum_t alpha_t * plane(i, g, t, j) plus
+    bias * xsum(i, g) (times ``group_scale(i, g)`` where the activations were rounded per
+    group), summed over groups into ``BLOCK_ACC`` and cut to n columns in ``BLOCK_OUT``.
+    One definition, so every table kernel folds its planes in the same float order."""
+    alpha, bias = stored["alpha"], stored["bias"]
+    rg = te.reduce_axis((0, ngroups), name="g")
+
+    def group_term(i, j):
+        total = bias[j // nb, rg, j % nb] * xsum(i, rg)
+        for t in range(q):
+            total = total + alpha[j // nb, rg * q + t, j % nb] * plane(i, rg, t, j)
+        return total if group_scale is None else group_scale(i, rg) * total
+
+    acc = te.compute((m, -(-n // nb) * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
+    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
+    func = te.create_prim_func([x, *stored.values(), y])
+    return func.with_attrs({KERNEL_ATTR: kernel, FORMAT_ATTR: info})
+
+
 def lut_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
     """PrimFunc(x[m, k], bits, alpha, bias (column-blocked), y[m, n]) for a BCQ format."""
     desc = fmt.describe()
@@ -57,7 +78,7 @@ def lut_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFun
         raise QtvmError(f"LUT GEMV needs groups of a multiple of {MU} rows, got {gs}")
     ngroups, nblk, nchunks, cpg = kp // gs, -(-n // nb), kp // MU, gs // MU
     m, x, xk, stored = _inputs(fmt, k, n, nb)
-    bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
+    bits = stored["bits"]
 
     rj = te.reduce_axis((0, MU), name="j")
 
@@ -79,19 +100,9 @@ def lut_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFun
     rx = te.reduce_axis((0, cpg), name="cx")
     xsum = te.compute((m, ngroups), lambda i, g: te.sum(lut[i, g * cpg + rx, TABLE - 1], axis=rx),
                       name=BLOCK_XSUM)
-    rg = te.reduce_axis((0, ngroups), name="g")
-
-    def group_term(i, j):
-        total = bias[j // nb, rg, j % nb] * xsum[i, rg]
-        for t in range(q):
-            total = total + alpha[j // nb, rg * q + t, j % nb] * partial[i, rg, t, j]
-        return total
-
-    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
-    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
-    func = te.create_prim_func([x, *stored.values(), y])
     info = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=q, mu=MU)
-    return func.with_attrs({KERNEL_ATTR: KERNEL, FORMAT_ATTR: info})
+    return bcq_output_func(x, stored, m, n, nb, ngroups, q, lambda i, g, t, j: partial[i, g, t, j],
+                           lambda i, g: xsum[i, g], KERNEL, info)
 
 
 def reference(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
@@ -142,7 +153,7 @@ def lut16_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     q, kp, gs = int(desc["planes"]), fmt.padded_k(k), fmt.group_size_for(k)
     m, x, xk, stored = _inputs(fmt, k, n, nb)
     ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // 32, gs // 32
-    bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
+    bits = stored["bits"]
 
     rj = te.reduce_axis((0, MU16), name="j")
     lut = te.compute(
@@ -167,19 +178,9 @@ def lut16_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     xb, xc = te.reduce_axis((0, bpg), name="xb"), te.reduce_axis((0, CHUNKS), name="xc")
     xsum = te.compute((m, ngroups), lambda i, g: te.sum(lut[i, g * bpg + xb, xc, TABLE16 - 1], axis=[xb, xc]),
                       name=BLOCK_XSUM)
-    rg = te.reduce_axis((0, ngroups), name="g")
-
-    def group_term(i, j):
-        total = bias[j // nb, rg, j % nb] * xsum[i, rg]
-        for t in range(q):
-            total = total + alpha[j // nb, rg * q + t, j % nb] * partial[i, rg, t, j]
-        return total
-
-    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
-    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
-    func = te.create_prim_func([x, *stored.values(), y])
     info = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=q, mu=MU16)
-    return func.with_attrs({KERNEL_ATTR: KERNEL16, FORMAT_ATTR: info})
+    return bcq_output_func(x, stored, m, n, nb, ngroups, q, lambda i, g, t, j: partial[i, g, t, j],
+                           lambda i, g: xsum[i, g], KERNEL16, info)
 
 
 # -- int8 activations, 16-bit tables (``--act int8``: a user option, it rounds x) ------------
@@ -209,6 +210,11 @@ def round_x_per_group(m, xk, kp: int, gs: int):
     return amax, te.compute((m, kp), quant, name="xq")
 
 
+def a8_group_scale(amax):
+    """x_hat's scale per (row, group) for ``bcq_output_func``: amax / 127."""
+    return lambda i, g: amax[i, g] * tirx.const(1.0 / 127.0, "float32")
+
+
 def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
     """The 16-entry LUT GEMV on int8-rounded activations (one scale per weight group, as
     MatMulNBits' accuracy level 4 rounds x per block): per row and group,
@@ -231,7 +237,7 @@ def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pr
     q, kp, gs = int(desc["planes"]), fmt.padded_k(k), fmt.group_size_for(k)
     m, x, xk, stored = _inputs(fmt, k, n, nb)
     ngroups, nblk, blocks, bpg = kp // gs, -(-n // nb), kp // 32, gs // 32
-    bits, alpha, bias = stored["bits"], stored["alpha"], stored["bias"]
+    bits = stored["bits"]
 
     amax, xq = round_x_per_group(m, xk, kp, gs)
     rj = te.reduce_axis((0, MU16), name="j")
@@ -257,20 +263,12 @@ def lut16_a8_gemv_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.Pr
                    te.reduce_axis((0, 2), name="xs"))
     qsum = te.compute((m, ngroups), lambda i, g: te.sum(
         lut[i, g * bpg + xb, xh, xs_, TABLE16 - 1].astype("int32"), axis=[xb, xh, xs_]), name=BLOCK_XSUM)
-    rg = te.reduce_axis((0, ngroups), name="g")
-
-    def group_term(i, j):
-        total = bias[j // nb, rg, j % nb] * qsum[i, rg].astype("float32")
-        for t in range(q):
-            both = partial[i, rg, t, j, 0].astype("int32") + partial[i, rg, t, j, 1].astype("int32")
-            total = total + alpha[j // nb, rg * q + t, j % nb] * both.astype("float32")
-        return amax[i, rg] * tirx.const(1.0 / 127.0, "float32") * total
-
-    acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
-    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
-    func = te.create_prim_func([x, *stored.values(), y])
     info = dict(desc, k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=q, mu=MU16, activations="int8")
-    return func.with_attrs({KERNEL_ATTR: KERNEL16_A8, FORMAT_ATTR: info})
+    return bcq_output_func(
+        x, stored, m, n, nb, ngroups, q,
+        lambda i, g, t, j: (partial[i, g, t, j, 0].astype("int32") + partial[i, g, t, j, 1].astype("int32")
+                            ).astype("float32"),
+        lambda i, g: qsum[i, g].astype("float32"), KERNEL16_A8, info, group_scale=a8_group_scale(amax))
 
 
 def round_x_per_group_np(x: np.ndarray, kp: int, gs: int) -> tuple[np.ndarray, np.ndarray]:
