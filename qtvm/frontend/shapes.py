@@ -431,6 +431,28 @@ class Folder:
         axes = [i for i, s in enumerate(values.shape) if s == 1] if axes is None else axes
         return Known(np.squeeze(values, tuple(a % values.ndim for a in axes)), data.dtype)
 
+    def _Transpose(self, attrs, inputs, shape_of):
+        (data,) = self._need(inputs, 0)
+        perm = attrs.get("perm")
+        return Known(np.transpose(data.values, None if perm is None else [int(a) for a in perm]), data.dtype)
+
+    def _OneHot(self, attrs, inputs, shape_of):
+        """Legacy exports of ``repeat_interleave`` build Tile's repeats with it (MoE routing)."""
+        indices, depth, values = self._need(inputs, 0, 1, 2)
+        indices, depth = self._numeric(indices), int(self._numeric(depth).reshape(-1)[0])
+        if values.values.size != 2 or indices.size * depth > MAX_ELEMENTS:
+            raise _Skip
+        idx = indices.astype(np.int64)
+        idx = np.where(idx < 0, idx + depth, idx)  # -depth..-1 count from the end; others match nothing
+        hot = idx[..., None] == np.arange(depth)
+        axis = attrs.get("axis", -1)
+        axis = axis + hot.ndim if axis < 0 else axis
+        off, on = values.values.reshape(-1)
+        out = np.empty(hot.shape, dtype=object)
+        for i in np.ndindex(hot.shape):
+            out[i] = on if hot[i] else off
+        return Known(np.moveaxis(out, -1, axis), values.dtype)
+
     def _Reshape(self, attrs, inputs, shape_of):
         data, shape = self._need(inputs, 0, 1)
         shape = [int(s) for s in self._numeric(shape)]

@@ -106,3 +106,56 @@ def test_positive_symbols_relate_more():
         sym = Symbols(minimum=minimum)
         seq = sym.var("seq")
         assert sym.equal(tirx.min(sym.expr(1), seq), 1) is expected
+
+
+def _onnxruntime(op: str, attrs: dict, arrays: list, out_dtype) -> np.ndarray:
+    import onnxruntime as ort
+    from onnx import helper
+
+    names = [f"i{j}" for j in range(len(arrays))]
+    tensor_type = helper.np_dtype_to_tensor_dtype
+    graph = helper.make_graph(
+        [helper.make_node(op, names, ["y"], **attrs)], "g",
+        [helper.make_tensor_value_info(n, tensor_type(a.dtype), a.shape) for n, a in zip(names, arrays)],
+        [helper.make_tensor_value_info("y", tensor_type(np.dtype(out_dtype)), None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, dict(zip(names, arrays)))[0]
+
+
+@pytest.mark.parametrize("attrs,indices,depth,values", [
+    ({}, [1], 3, [0, 1]),  # the legacy export of repeat_interleave: Tile's repeats
+    ({"axis": 0}, [[0, 2], [-1, 5]], 4, [-3, 7]),  # negative counts from the end; out of range: all off
+    ({"axis": 1}, [[1, 0, 3]], 4, np.float32([0.5, 2.0])),
+])
+def test_onehot_of_known_matches_onnx(sym, attrs, indices, depth, values):
+    """Legacy MoE exports (Mixtral) build Tile's repeats from a OneHot of constants."""
+    arrays = [np.asarray(indices, np.int64), np.asarray([depth], np.int64), np.asarray(values)]
+    (got,) = Folder(sym).fold("OneHot", attrs, [known_from_numpy(a) for a in arrays], None)
+    want = _onnxruntime("OneHot", attrs, arrays, arrays[2].dtype)
+    assert got.dtype == want.dtype and got.numpy().shape == want.shape
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_onehot_with_a_symbolic_value_and_too_big(sym):
+    fold = Folder(sym)
+    seq = sym.var("seq")
+    on = fold.fold("Concat", {"axis": 0}, [_known([1]), fold.fold("Shape", {}, [None], lambda i: [seq])[0]], None)[0]
+    (got,) = fold.fold("OneHot", {}, [_known([2, 0]), _known([3]), on], None)
+    assert [list(row) for row in got.values] == [[1, 1, seq], [seq, 1, 1]]
+    assert fold.fold("OneHot", {}, [_known([0]), _known([MAX_ELEMENTS + 1]), _known([0, 1])], None) is None
+
+
+def test_transpose_of_known(sym):
+    """MobileBERT's legacy export computes its Pad's pads from constants through a Transpose."""
+    fold = Folder(sym)
+    pads = np.arange(6, dtype=np.int64).reshape(3, 2)
+    (t,) = fold.fold("Transpose", {"perm": [1, 0]}, [known_from_numpy(pads)], None)
+    np.testing.assert_array_equal(t.numpy(), pads.T)
+    cube = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
+    (r,) = fold.fold("Transpose", {}, [known_from_numpy(cube)], None)  # no perm: the axes reversed
+    np.testing.assert_array_equal(r.numpy(), _onnxruntime("Transpose", {}, [cube], np.int64))
+    seq = sym.var("seq")
+    shape = fold.fold("Shape", {}, [None], lambda i: [2, seq])[0]
+    (u,) = fold.fold("Transpose", {}, [fold.fold("Unsqueeze", {}, [shape, _known([0])], None)[0]], None)
+    assert [list(row) for row in u.values] == [[2], [seq]]

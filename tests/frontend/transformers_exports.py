@@ -26,8 +26,11 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert")
 #: checked at fewer settings (``test_importer.test_more_families_match_onnxruntime``): each brings
 #: ops or shapes the four above do not (ALiBi on a merged batch*heads dim, positions from a
 #: cumulative sum of the mask, partial rotary, multi-query attention, relative position buckets,
-#: disentangled attention)
-MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta", "t5_encoder", "deberta_v2", "mpt")
+#: disentangled attention, a Pad whose pads the legacy exporter computes from constants through a
+#: Transpose (MobileBERT), mixture-of-experts routing whose repeats come from a OneHot (Mixtral, its
+#: experts as batched matmuls: transformers' default expert code does not export))
+MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta", "t5_encoder", "deberta_v2", "mpt",
+                 "mobilebert", "mixtral")
 #: newer decoders, each checked with one exporter (``test_importer.test_newer_families_match_onnxruntime``):
 #: Gemma 2 (logit softcaps, alternating sliding-window layers, GELU-tanh), Gemma 3 (5:1 local and
 #: global layers with their own rotary bases, q/k norms), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused
@@ -38,7 +41,7 @@ MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta",
 NEWER_FAMILIES = {"gemma2": "dynamo", "gemma3": "legacy", "qwen3": "dynamo", "phi3": "legacy", "smollm3": "dynamo",
                   "olmo2": "legacy", "granite": "dynamo", "starcoder2": "legacy", "phi": "dynamo"}
 DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm", "gpt_neo",
-            *NEWER_FAMILIES)
+            "mixtral", *NEWER_FAMILIES)
 EXPORTERS = ("legacy", "dynamo")
 #: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
 #: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
@@ -93,6 +96,15 @@ def build(family: str):
         model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                                                      attention_types=[[["global", "local"], 1]], window_size=8,
                                                      max_position_embeddings=256))
+    elif family == "mobilebert":
+        model = tf.MobileBertModel(tf.MobileBertConfig(vocab_size=VOCAB, hidden_size=64, embedding_size=32,
+                                                       intermediate_size=64, intra_bottleneck_size=32,
+                                                       true_hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                       num_feedforward_networks=2, max_position_embeddings=256))
+    elif family == "mixtral":  # top-2 of 4 experts
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                                       experts_implementation="batched_mm", num_key_value_heads=2,
+                                                       **small))
     elif family in NEWER_FAMILIES:
         model = _newer(tf, family, small)
     elif family == "minilm":
