@@ -222,27 +222,28 @@ def supports_int8_activations(fmt: QuantFormat, k: int) -> bool:
 
 def a8_arrays(qt: QuantizedTensor, nb: int) -> list[np.ndarray]:
     """The int8-activation kernel's weight arguments: ``blocked_arrays`` with the codes
-    in byte-plane order (a compile-time relayout for 3-bit; 2/4-bit are already in it)."""
-    from qtvm.intrin.x86 import pack_byte_planes
+    in byte-plane order (``qtvm.intrin.x86``), a compile-time relayout: QIGen's 3-bit runs
+    re-packed, 2/4-bit words' fields shuffled in place."""
+    from qtvm.intrin.x86 import byte_plane_words, pack_byte_planes
 
     arrays = blocked_arrays(qt, nb)
-    if int(qt.fmt.describe()["bits"]) == 3:
+    index, bits = list(qt.fmt.array_rows(qt.k)).index("qweight"), int(qt.fmt.describe()["bits"])
+    if bits == 3:
         codes = qt.fmt.unpack(qt.arrays["qweight"], qt.fmt.padded_k(qt.k))
-        arrays[list(qt.fmt.array_rows(qt.k)).index("qweight")] = block_columns(pack_byte_planes(codes, 3), nb)
+        arrays[index] = block_columns(pack_byte_planes(codes, 3), nb)
+    else:
+        arrays[index] = byte_plane_words(arrays[index], bits)
     return arrays
 
 
 def quantize_activations_func(fmt: QuantFormat, k: int, row_tile: int = 1) -> tvm.tirx.PrimFunc:
-    """x[m, k] -> (xq[mp, K_pad] int8 in byte-plane order, xd[mp, K_pad/32] scales, xs[mp, G] group sums),
+    """x[m, k] -> (xq[mp, K_pad] int8, xd[mp, K_pad/32] scales, xs[mp, G] group sums),
     mp = m rounded up to ``row_tile`` (the padding rows are zero: the prefill kernel works in row tiles).
 
     xs sums the *rounded* activations (sum_b xd_b * sum xq), so the kernel
     computes exactly x_hat @ W_hat: the zero-point term then cancels the
     rounding error of x * code instead of amplifying it (as llama.cpp's q8_1).
     """
-    from qtvm.intrin.x86 import act_value
-
-    bits = int(fmt.describe()["bits"])
     m = te.var("m", "int64")
     mp = m if row_tile == 1 else ((m - 1) // row_tile + 1) * row_tile
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
@@ -260,12 +261,8 @@ def quantize_activations_func(fmt: QuantFormat, k: int, row_tile: int = 1) -> tv
         amax[i, b] > 0, 127.0 / tirx.max(amax[i, b], tirx.const(1e-30, "float32")), tirx.const(0.0, "float32")),
         name="inv")
 
-    def quant(i, pos):
-        q = pos % ACT_BLOCK
-        src = pos - q + act_value(bits, q)  # byte-plane position -> value index
-        return tirx.max(tirx.min(tirx.round(xk(i, src) * inv[i, pos // ACT_BLOCK]), 127.0), -127.0).astype("int8")
-
-    xq = te.compute((mp, kp), quant, name="xq")
+    xq = te.compute((mp, kp), lambda i, pos: tirx.max(tirx.min(
+        tirx.round(xk(i, pos) * inv[i, pos // ACT_BLOCK]), 127.0), -127.0).astype("int8"), name="xq")
     r2 = te.reduce_axis((0, ACT_BLOCK), name="r2")
     bsum = te.compute((mp, kp // ACT_BLOCK), lambda i, b: te.sum(xq[i, b * ACT_BLOCK + r2].astype("int32"), axis=r2),
                       name="bsum")
@@ -291,7 +288,7 @@ def _a8_inputs(fmt: QuantFormat, k: int, n: int, nb: int, rows):
 def _a8_stages(fmt: QuantFormat, k: int, n: int, nb: int, xq, xd, xs, stored, at_column, row_shape, row_of):
     """dot -> gpart -> acc over output rows of shape ``row_shape``; ``row_of(*row)`` is the
     activation row. Returns acc[*row, j]."""
-    from qtvm.intrin.x86 import act_position, block_code
+    from qtvm.intrin.x86 import block_code
 
     bits = int(fmt.describe()["bits"])
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
@@ -311,7 +308,7 @@ def _a8_stages(fmt: QuantFormat, k: int, n: int, nb: int, xq, xd, xs, stored, at
     def dot_value(*idx):
         rows, b, j = (idx[:1] + idx[2:3], idx[1], idx[3]) if tiled else (idx[:nr], idx[nr], idx[nr + 1])
         return te.sum(
-            xq[row_of(*rows), b * ACT_BLOCK + act_position(bits, rj)].astype("int32")
+            xq[row_of(*rows), b * ACT_BLOCK + rj].astype("int32")
             * block_code(bits, lambda t: qw[j // nb, b * bits + t, j % nb], rj),
             axis=rj)
 

@@ -108,7 +108,7 @@ class QuantFormat(ABC):
         """(coef, offset) with w = coef * code + offset for the raw unsigned integer
         code stored in ``qweight``, or None when the weight is not affine in such a
         code. Integer-dot kernels (int8 activations) need it; they read the codes
-        in byte-plane order (``qtvm.ops.a8_arrays`` re-lays 3-bit runs)."""
+        in byte-plane order (``qtvm.ops.a8_arrays`` re-lays them at compile time)."""
         return None
 
     def kernel_parts(self, qt: QuantizedTensor, **options) -> "KernelParts":

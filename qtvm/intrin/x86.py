@@ -7,10 +7,15 @@ sum_j x[j] * code_j into int32 -- the accumulators stay in registers for the blo
 ``qtvm_gemm_u{b}s8_...`` is the prefill register tile (rows x vectors).
 
 Codes are unpacked by byte planes. A *unit* is 4 values of a column in the
-4 bytes of one int32 lane:
-  b = 2, 4: unit (word w, plane p) = (W[w] >> b*p) & mask-per-byte: byte i holds
-            value w*(32/b) + i*(8/b) + p; this is the plain packing (value j of
-            a word at bits [b*j, b*j + b)), so 2/4-bit weights need no relayout.
+4 bytes of one int32 lane; unit u holds values 4u..4u+3 (byte i: 4u+i) for every width,
+so the activations stay in their natural order (``ops.quantize_activations_func`` reads
+and writes them contiguously: 2.8 -> 1.2 us at K = 4096, where a per-value permutation
+into the plain packing's order cost a scalar load each). ``byte_plane_words`` re-lays
+the weights at compile time:
+  b = 2, 4: unit (word w, plane p) = (W[w] >> b*p) & mask-per-byte: value j of the
+            block sits in word j // (32/b), byte j % 4, plane (j // 4) % (8/b) (the
+            plain packing puts value j of a word at bits [b*j, b*j + b): a shuffle of
+            fields within each word, ``byte_plane_words``).
   b = 3:    ``pack_byte_planes`` re-lays QIGen's 3-word run at compile time into
             the same 32 values in 3 words, unit u = values 4u..4u+3 (byte i: 4u+i)
             in word u % 3 at bit 3 * (u // 3) of each byte: units 0-5 whole (3 bits),
@@ -20,8 +25,8 @@ Codes are unpacked by byte planes. A *unit* is 4 values of a column in the
             are); units 6 and 7 take two shifts, a mask and a ternary op. Still 3
             bits per weight (the 2-bit planes + high-bit word this replaced took
             28 unpack instructions per block, 12 of them shifts; now 14, 4).
-The 4 activations of unit u sit at positions 4u..4u+3 (``act_position``), so
-each unit's activations are one broadcast int32. The dot per ISA (``_block_dot``):
+The 4 activations of unit u are values 4u..4u+3, so each unit's activations are one
+broadcast int32. The dot per ISA (``_block_dot``):
 ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI) with fields not at bit 0 masked in place (no
 shift), or ``vpmaddubsw`` into int16 sums and one ``vpmaddwd`` per block (AVX2,
 AVX-512BW); codes are the unsigned operand. Each step prefetches its lines a
@@ -59,24 +64,6 @@ ISA_DOT = {"avx512vnni": "vpdpbusd", "avx512bw": "vpmaddubsw", "avxvnni": "vpdpb
 STEP_COLS = 16  # columns of one GEMV step: one 64-byte line of int32 words
 
 
-def act_position(bits: int, j):
-    """Value j (0..31) of a block -> its activation position 4 * unit + byte (TIR or int)."""
-    if bits == 3:
-        return j
-    vpw, planes = 32 // bits, 8 // bits
-    unit = (j // vpw) * planes + (j % vpw) % planes
-    return unit * 4 + (j % vpw) // planes
-
-
-def act_value(bits: int, q):
-    """Activation position q (0..31) -> value index j within a block (inverse of act_position)."""
-    if bits == 3:
-        return q
-    vpw, planes = 32 // bits, 8 // bits
-    unit, byte = q // 4, q % 4
-    return (unit // planes) * vpw + byte * planes + unit % planes
-
-
 def _int3_place(u, byte):
     """Where unit u's code sits in ``byte`` of a block: (word, bit, mask) of its low bits and
     (bit, mask) of its high bit in word 2 (mask 0: units 0-5 are whole). Arithmetic only, so
@@ -86,11 +73,16 @@ def _int3_place(u, byte):
     return u % 3, 8 * byte + 3 * (u // 3), 7 >> split, 8 * byte + u, split
 
 
+def _plane_shift(bits: int, j):
+    """2/4-bit: the bit offset of value j (0..31) of a block in its word (``j // (32 / bits)``):
+    byte j % 4, plane (j // 4) % (8 / bits). Ints or TIR."""
+    return 8 * (j % 4) + bits * ((j // 4) % (8 // bits))
+
+
 def block_code(bits: int, word, j):
-    """The code of value j (0..31) of a block, ``word(t)`` its t-th int32 word (TIR)."""
+    """The code of value j (0..31) of a block in byte-plane order, ``word(t)`` its t-th int32 word (TIR)."""
     if bits != 3:
-        vpw = 32 // bits
-        return tirx.bitwise_and(tirx.shift_right(word(j // vpw), (j % vpw) * bits), (1 << bits) - 1)
+        return tirx.bitwise_and(tirx.shift_right(word(j // (32 // bits)), _plane_shift(bits, j)), (1 << bits) - 1)
     t, bit, mask, hi_bit, hi_mask = _int3_place(j // 4, j % 4)
     lo = tirx.bitwise_and(tirx.shift_right(word(t), bit), mask)
     hi = tirx.bitwise_and(tirx.shift_right(word(2), hi_bit), hi_mask)
@@ -112,9 +104,20 @@ def pack_byte_planes(codes: np.ndarray, bits: int) -> np.ndarray:
             words[:, t] |= (blocks[:, j] & mask) << bit
             words[:, 2] |= ((blocks[:, j] >> np.uint64(2)) & hi_mask) << hi_bit
         else:
-            vpw = 32 // bits
-            words[:, j // vpw] |= blocks[:, j] << np.uint64(bits * (j % vpw))
+            words[:, j // (32 // bits)] |= blocks[:, j] << np.uint64(_plane_shift(bits, j))
     return words.reshape(kp // BLOCK * bits, n).astype(np.uint32).view(np.int32)
+
+
+def byte_plane_words(words: np.ndarray, bits: int) -> np.ndarray:
+    """2/4-bit words in the plain packing (value v of a word at bits [b*v, b*v + b)), any
+    shape, -> the same words in byte-plane order: fields shuffled within each word, so a
+    weight is re-laid in its packed size (``pack_byte_planes`` of its codes, without them)."""
+    w = np.ascontiguousarray(words).view(np.uint32)
+    out = np.zeros_like(w)
+    mask = np.uint32((1 << bits) - 1)
+    for v in range(32 // bits):
+        out |= ((w >> np.uint32(bits * v)) & mask) << np.uint32(_plane_shift(bits, v))
+    return out.view(np.int32)
 
 
 def unpack_byte_planes(words: np.ndarray, bits: int) -> np.ndarray:
@@ -127,8 +130,7 @@ def unpack_byte_planes(words: np.ndarray, bits: int) -> np.ndarray:
             t, bit, mask, hi_bit, hi_mask = (np.uint64(v) for v in _int3_place(j // 4, j % 4))
             codes[:, j] = ((w[:, t] >> bit) & mask) | (((w[:, 2] >> hi_bit) & hi_mask) << np.uint64(2))
         else:
-            vpw = 32 // bits
-            codes[:, j] = (w[:, j // vpw] >> np.uint64(bits * (j % vpw))) & np.uint64((1 << bits) - 1)
+            codes[:, j] = (w[:, j // (32 // bits)] >> np.uint64(_plane_shift(bits, j))) & np.uint64((1 << bits) - 1)
     return codes.reshape(rows // bits * BLOCK, n).astype(np.uint32)
 
 
@@ -288,7 +290,7 @@ def _make(bits: int, isa: str, prefetch=None, gfni: bool = False):
             for i, j in T.grid(cols, BLOCK):
                 with T.sblock("update"):
                     vi, vj = T.axis.remap("SR", [i, j])
-                    C[vi] = C[vi] + T.Cast("int32", A[act_position(bits, vj)]) * _code_at(bits, W, vi, vj)
+                    C[vi] = C[vi] + T.Cast("int32", A[vj]) * _code_at(bits, W, vi, vj)
 
     @T.prim_func(s_tir=True)
     def skeleton(a: T.handle, w: T.handle, c: T.handle) -> None:
@@ -334,7 +336,7 @@ def _make_tile(bits: int, isa: str, rows: int, vecs: int, prefetch=None):
             for r, i, j in T.grid(T.int64(rows), cols, BLOCK):  # rows: an int64 loop of the symbolic M
                 with T.sblock("update"):
                     vr, vi, vj = T.axis.remap("SSR", [r, i, j])
-                    C[vr, vi] = C[vr, vi] + T.Cast("int32", A[vr, act_position(bits, vj)]) * _code_at(bits, W, vi, vj)
+                    C[vr, vi] = C[vr, vi] + T.Cast("int32", A[vr, vj]) * _code_at(bits, W, vi, vj)
 
     @T.prim_func(s_tir=True)
     def skeleton(a: T.handle, w: T.handle, c: T.handle) -> None:

@@ -10,16 +10,13 @@ from qtvm.formats import get_format
 from qtvm.intrin import x86
 
 
-@pytest.mark.parametrize("bits", x86.BITS)
-def test_act_value_is_the_inverse_of_act_position(bits):
-    positions = [x86.act_position(bits, j) for j in range(x86.BLOCK)]
-    assert sorted(positions) == list(range(x86.BLOCK))
-    assert [x86.act_value(bits, q) for q in positions] == list(range(x86.BLOCK))
-
-
-def test_int4_units_are_even_then_odd_nibbles_of_each_word():
-    # unit 0 = low nibbles of word 0 (values 0, 2, 4, 6), unit 1 = its high nibbles
-    assert [x86.act_value(4, q) for q in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+def test_int4_units_are_4_consecutive_values_in_low_then_high_nibbles():
+    """Unit u = values 4u..4u+3, one a byte: unit 0 the low nibbles of word 0 (values 0-3), unit 1
+    its high nibbles (4-7), so the activations of a block stay in their natural order."""
+    codes = np.arange(32, dtype=np.uint32).reshape(32, 1) % 16
+    word0 = int(x86.pack_byte_planes(codes, 4).view(np.uint32)[0, 0])
+    assert [(word0 >> (8 * byte)) & 15 for byte in range(4)] == [0, 1, 2, 3]
+    assert [(word0 >> (8 * byte + 4)) & 15 for byte in range(4)] == [4, 5, 6, 7]
 
 
 @pytest.mark.parametrize("bits", x86.BITS)
@@ -35,17 +32,21 @@ def test_byte_planes_round_trip(bits, data):
 
 
 @pytest.mark.parametrize("bits", (2, 4))
-def test_2_and_4_bit_byte_planes_are_the_storage_packing(bits):
-    """Only 3-bit runs need a compile-time relayout."""
+def test_2_and_4_bit_byte_planes_are_the_storage_words_shuffled(bits):
+    """``byte_plane_words`` re-lays the storage packing's words in place, any shape, to what
+    ``pack_byte_planes`` packs from the codes."""
     codes = np.random.default_rng(bits).integers(0, 1 << bits, (128, 3)).astype(np.uint32)
-    np.testing.assert_array_equal(x86.pack_byte_planes(codes, bits), get_format(f"int{bits}-g128").pack(codes))
+    stored = get_format(f"int{bits}-g128").pack(codes)
+    np.testing.assert_array_equal(x86.byte_plane_words(stored, bits), x86.pack_byte_planes(codes, bits))
+    blocked = stored.reshape(-1, 3, 1).transpose(1, 0, 2)  # a column-blocked view: not contiguous
+    np.testing.assert_array_equal(x86.byte_plane_words(blocked, bits)[:, :, 0].T, x86.pack_byte_planes(codes, bits))
+    assert not np.array_equal(stored, x86.pack_byte_planes(codes, bits))
 
 
 def test_int3_units_0_to_5_sit_whole_in_one_byte_field():
     """Unit u (values 4u..4u+3) in word u % 3 at bit 3 * (u // 3) of every byte: units 0-5
     whole (one mask each), units 6 and 7 their low 2 bits there and their high bit at bit u
     of word 2's bytes."""
-    assert [x86.act_value(3, q) for q in range(x86.BLOCK)] == list(range(x86.BLOCK))
     for u in range(8):
         for code in range(1, 8):
             codes = np.zeros((32, 1), np.uint32)

@@ -258,7 +258,7 @@ def _quantized_activations(lib, fmt, x, k, row_tile):
                                                  ("int3-g64", 300, 2, 1), ("int2-g32", 200, 5, 4)])
 def test_activation_quantizer_vectorized_writes_the_rounding_numpy_does(isa, preset, k, m, row_tile):
     """Per 32-value block: scale = max|x| / 127, codes round(x * (127 / max|x|)) clipped to
-    +-127 in the byte-plane order of the format (``intrin.act_value``), 0 for an all-zero block;
+    +-127 in the values' order, 0 for an all-zero block;
     group sums of the rounded values. The scheduled kernel (vector partials, a reduction tree)
     writes what the unscheduled loops write, bit for bit, K not a multiple of the group."""
     from schedules import compile_func, compile_kernel
@@ -274,15 +274,14 @@ def test_activation_quantizer_vectorized_writes_the_rounding_numpy_does(isa, pre
         np.testing.assert_array_equal(a, b)
 
     xq, xd, xs = got
-    kp, bits = fmt.padded_k(k), int(fmt.describe()["bits"])
+    kp = fmt.padded_k(k)
     blocks = np.zeros((xq.shape[0], kp), np.float32)
     blocks[:m, :k] = x
     blocks = blocks.reshape(xq.shape[0], -1, ops.ACT_BLOCK)
     amax = np.abs(blocks).max(-1)
     inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
     codes = np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8)
-    order = [intrin.act_value(bits, q) for q in range(ops.ACT_BLOCK)]
-    np.testing.assert_array_equal(xq.reshape(codes.shape), codes[..., order])
+    np.testing.assert_array_equal(xq.reshape(codes.shape), codes)
     np.testing.assert_array_equal(xd, amax / np.float32(127))
     per_group = fmt.group_size_for(k) // ops.ACT_BLOCK
     sums = (xd * codes.sum(-1)).reshape(xq.shape[0], -1, per_group).sum(-1)
