@@ -17,7 +17,9 @@ Times, in one process and interleaved (order rotated each round), on the same ro
     python benchmarks/c_twin_gemv.py --rotations-mib 0 4096 --json out/twin.json
 
 Needs gcc, AVX-512 VNNI (the twin's intrinsics) and about twice the largest rotation in RAM (the
-probe's buffer is as large as the rotation). One thread (TVM_NUM_THREADS=1), weights on
+probe's buffer is as large as the rotation). One thread unless ``--threads`` (the twin then splits its
+column blocks between OpenMP threads, evenly, as TVM's parallel loop does; ``qtvm GEMV call`` times the
+GEMV without the activations' quantization, a separate serial call), weights on
 huge pages as the bench puts them (glibc.malloc.hugetlb=1, set here before anything allocates).
 """
 from __future__ import annotations
@@ -40,12 +42,14 @@ TWIN_C = r"""
 #include <stddef.h>
 #include <stdint.h>
 
-/* One call: the column blocks of one copy, as qtvm's kernel walks them (see the module docstring). */
+/* One call: the column blocks of one copy, as qtvm's kernel walks them (see the module docstring);
+   with threads > 1 the blocks split evenly between OpenMP threads, as TVM's parallel loop splits them. */
 float twin_gemv(const uint8_t *w, const float *scales, const float *zeros, size_t n_blocks, size_t rows,
-                size_t groups, int prefetch_bytes, const int8_t *x) {
+                size_t groups, int prefetch_bytes, const int8_t *x, int threads) {
     const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8((char)0xf0);
     const size_t blocks_per_group = rows / 4 / groups;   /* 32-value blocks (4 rows of 256 B) a group */
-    __m512 out = _mm512_setzero_ps();
+    float total = 0.0f;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(+:total)
     for (size_t cb = 0; cb < n_blocks; ++cb) {
         const uint8_t *wb = w + cb * rows * 256;
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -72,11 +76,9 @@ float twin_gemv(const uint8_t *w, const float *scales, const float *zeros, size_
             for (int s = 0; s < 4; ++s)
                 acc[s] = _mm512_fmadd_ps(part[s], _mm512_loadu_ps(sc + 16 * s), _mm512_add_ps(acc[s], _mm512_loadu_ps(ze + 16 * s)));
         }
-        out = _mm512_add_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+        total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     }
-    float o[16];
-    _mm512_storeu_ps(o, out);
-    return o[0];
+    return total;
 }
 """
 
@@ -85,10 +87,11 @@ def build_twin() -> ctypes.CDLL:
     out = Path(tempfile.mkdtemp(prefix="qtvm-twin-")) / "twin.so"
     src = out.with_suffix(".c")
     src.write_text(TWIN_C)
-    subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", str(src), "-o", str(out)], check=True)
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)],
+                   check=True)
     lib = ctypes.CDLL(str(out))
     lib.twin_gemv.restype = ctypes.c_float
-    lib.twin_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t] * 3 + [ctypes.c_int, ctypes.c_void_p]
+    lib.twin_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -111,7 +114,7 @@ def twin_layout(copy) -> tuple[list[int], int, int, int]:
     return [torch.from_dlpack(a).data_ptr() for a in copy._weights], n_blocks, rows, groups
 
 
-def measure(k: int, n: int, rotation_bytes: int | None, rounds: int, calls: int) -> dict:
+def measure(k: int, n: int, rotation_bytes: int | None, rounds: int, calls: int, threads: int = 1) -> dict:
     import numpy as np
 
     from qtvm.bench import harness
@@ -141,10 +144,14 @@ def measure(k: int, n: int, rotation_bytes: int | None, rounds: int, calls: int)
             return gemv.weight_bytes / statistics.median(times)
         return turn
 
+    gemv_calls = [c._calls()[-1] for c in copies]  # (module, main, args) of the GEMV alone
+
     kinds = {
         "qtvm kernel": rotated(lambda c: copies[c].run()),
-        "C twin": rotated(lambda c: twin.twin_gemv(*addresses[c], n_blocks, rows, groups, 6144, x8.ctypes.data)),
-        "probe": lambda: probe.measure(1, repeats=1, streams=(1, 2, 4)),
+        "qtvm GEMV call": rotated(lambda c: gemv_calls[c][1](*gemv_calls[c][2])),
+        "C twin": rotated(lambda c: twin.twin_gemv(*addresses[c], n_blocks, rows, groups, 6144, x8.ctypes.data,
+                                                    threads)),
+        "probe": lambda: probe.measure(threads, repeats=1, streams=(1, 2, 4)),
     }
     names = list(kinds)
     got = {name: [] for name in names}
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="total bytes of the rotated copies (0: the bench's default, > 4x L3)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=86, help="timed calls a turn")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the kernel, the twin and the probe")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from qtvm.bench import harness
@@ -170,14 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(harness.cpu_named(), flush=True)
     for mib in args.rotations_mib:
-        row = measure(k, n, (mib << 20) or None, args.rounds, args.calls)
+        row = measure(k, n, (mib << 20) or None, args.rounds, args.calls, args.threads)
         g = row["gbps"]
-        print(f"rotation {row['rotation_gib']:5.2f} GiB ({row['copies']} copies): qtvm kernel {g['qtvm kernel']:5.2f} GB/s "
-              f"({100 * g['qtvm kernel'] / g['probe']:3.0f}% of the probe), C twin {g['C twin']:5.2f} "
-              f"({100 * g['C twin'] / g['probe']:3.0f}%), probe {g['probe']:5.2f}", flush=True)
+        cells = ", ".join(f"{name} {v:5.2f} GB/s ({100 * v / g['probe']:3.0f}%)" for name, v in g.items() if name != "probe")
+        print(f"{args.threads} thread(s), rotation {row['rotation_gib']:5.2f} GiB ({row['copies']} copies): {cells}; "
+              f"probe {g['probe']:5.2f}", flush=True)
         rows.append(row)
     if args.json:
-        harness.write_json([], args.json, {"shape": [k, n], "twin": rows})
+        harness.write_json([], args.json, {"shape": [k, n], "threads": args.threads, "twin": rows})
     return 0
 
 
@@ -185,6 +193,7 @@ if __name__ == "__main__":
     if not os.environ.get("QTVM_TWIN_CHILD"):  # glibc reads its tunables at start-up only: re-run with them
         from qtvm.bench.harness import thread_env
 
-        env = {**os.environ, **thread_env(1), "QTVM_TWIN_CHILD": "1"}
+        threads = sys.argv[sys.argv.index("--threads") + 1] if "--threads" in sys.argv[:-1] else "1"
+        env = {**os.environ, **thread_env(int(threads)), "QTVM_TWIN_CHILD": "1"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     raise SystemExit(main())

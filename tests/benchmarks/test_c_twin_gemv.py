@@ -59,4 +59,6 @@ def test_twin_builds_and_streams_a_copy():
     addresses, n_blocks, rows, groups = twin.twin_layout(gemv)
     lib = twin.build_twin()
     x8 = np.ones(4096, np.int8)
-    assert np.isfinite(lib.twin_gemv(*addresses, n_blocks, rows, groups, 6144, x8.ctypes.data))
+    one, two = (lib.twin_gemv(*addresses, n_blocks, rows, groups, 6144, x8.ctypes.data, t) for t in (1, 2))
+    assert np.isfinite(one) and one != 0.0
+    assert np.isclose(one, two, rtol=1e-5)  # two threads walk the same blocks, summed in another order
