@@ -162,7 +162,7 @@ def measure(k: int, n: int, rotation_bytes: int | None, rounds: int, calls: int,
             "gbps": {name: statistics.median(v) for name, v in got.items()}, "rounds": got}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x4096", help="KxN")
     ap.add_argument("--rotations-mib", type=int, nargs="+", default=[0, 8192],
@@ -171,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=86, help="timed calls a turn")
     ap.add_argument("--threads", type=int, default=1, help="threads of the kernel, the twin and the probe")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from qtvm.bench import harness
 
     k, n = (int(v) for v in args.shape.lower().split("x"))
@@ -193,7 +197,6 @@ if __name__ == "__main__":
     if not os.environ.get("QTVM_TWIN_CHILD"):  # glibc reads its tunables at start-up only: re-run with them
         from qtvm.bench.harness import thread_env
 
-        threads = sys.argv[sys.argv.index("--threads") + 1] if "--threads" in sys.argv[:-1] else "1"
-        env = {**os.environ, **thread_env(int(threads)), "QTVM_TWIN_CHILD": "1"}
+        env = {**os.environ, **thread_env(parse_args().threads), "QTVM_TWIN_CHILD": "1"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     raise SystemExit(main())
