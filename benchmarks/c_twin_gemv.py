@@ -18,8 +18,8 @@ Times, in one process and interleaved (order rotated each round), on the same ro
 
 Needs gcc, AVX-512 VNNI (the twin's intrinsics) and about twice the largest rotation in RAM (the
 probe's buffer is as large as the rotation). One thread unless ``--threads`` (the twin then splits its
-column blocks between OpenMP threads, evenly, as TVM's parallel loop does; ``qtvm GEMV call`` times the
-GEMV without the activations' quantization, a separate serial call), weights on
+column blocks between OpenMP threads, evenly, as TVM's parallel loop does; the qtvm kernel rounds x
+inside, once in each thread, which the twin does not), weights on
 huge pages as the bench puts them (glibc.malloc.hugetlb=1, set here before anything allocates).
 """
 from __future__ import annotations
@@ -144,11 +144,8 @@ def measure(k: int, n: int, rotation_bytes: int | None, rounds: int, calls: int,
             return gemv.weight_bytes / statistics.median(times)
         return turn
 
-    gemv_calls = [c._calls()[-1] for c in copies]  # (module, main, args) of the GEMV alone
-
     kinds = {
         "qtvm kernel": rotated(lambda c: copies[c].run()),
-        "qtvm GEMV call": rotated(lambda c: gemv_calls[c][1](*gemv_calls[c][2])),
         "C twin": rotated(lambda c: twin.twin_gemv(*addresses[c], n_blocks, rows, groups, 6144, x8.ctypes.data,
                                                     threads)),
         "probe": lambda: probe.measure(threads, repeats=1, streams=(1, 2, 4)),

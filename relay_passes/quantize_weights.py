@@ -309,20 +309,19 @@ class _Rewriter(PyExprMutator):
         return lambda x, m: [relax.op.call_tir(kernel, relax.Tuple([x, *weights]), relax.TensorType([m, n], "float32"))]
 
     def _a8_branch(self, qt: QuantizedTensor, weights, nb: int, row_tile: int):
-        """x -> [acts = quantize_activations(x), its three parts, y = call_tir(int8 kernel)];
-        row_tile 1 is the GEMV, the target's row tile the prefill kernel (activations padded
-        to whole tiles)."""
+        """row_tile 1: x -> [y = call_tir(int8 GEMV, x)] (the GEMV rounds x itself, once in each
+        thread); the target's row tile: x -> [acts = quantize_activations(x), its three parts,
+        y = call_tir(prefill kernel)] (activations padded to whole tiles)."""
         fmt, k, n = qt.fmt, qt.k, qt.n
+        if row_tile == 1:
+            gemv = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
+            return self._call_branch(gemv, weights, n)
         kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
         quant = self._kernel("quantize_act", fmt, lambda: ops.quantize_activations_func(fmt, k, row_tile), k, row_tile)
-        if row_tile == 1:
-            kernel = self._kernel("qmatmul_a8", fmt, lambda: ops.qmatmul_a8_func(fmt, k, n, nb), k, n)
-        else:
-            kernel = self._kernel("qmatmul_a8_gemm", fmt, lambda: ops.qmatmul_a8_gemm_func(fmt, k, n, nb, row_tile),
-                                  k, n)
+        kernel = self._kernel("qmatmul_a8_gemm", fmt, lambda: ops.qmatmul_a8_gemm_func(fmt, k, n, nb, row_tile), k, n)
 
         def bindings(x, m):
-            mp = m if row_tile == 1 else ((m - 1) // row_tile + 1) * row_tile
+            mp = ((m - 1) // row_tile + 1) * row_tile
             acts = relax.op.call_tir(quant, relax.Tuple([x]), [
                 relax.TensorType([mp, kp], "int8"), relax.TensorType([mp, kp // ops.ACT_BLOCK], "float32"),
                 relax.TensorType([mp, groups], "float32")])

@@ -270,6 +270,7 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
     sch.tensorize(loop, intrin.intrin_name(bits, isa, prefetch_rows(prefetch, nb), unpack_gfni(target)))
     _unroll(sch, blocks, unroll)
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
+    schedule_quantizer(sch, target)  # serial, before the launch (see qmatmul_a8_func)
     claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
 
 
@@ -390,18 +391,24 @@ QUANT_TREE = 4  # the second level of the per-block reductions: lanes -> 4 -> 1
 
 
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    """M x K elementwise work, small next to the matmul, in one pass per 32-value block: its
-    |x| max and code sum as vector partials reduced by a short tree (a 16-step scalar chain
-    per block was the critical path), its codes one vector op per step (int4 at K = 4096 on
-    Zen 4: 4.1 -> 2.2 us; the same bits: max and integer sums do not depend on their order).
-    The prefill form (row tiles) is parallel over rows; the GEMV form (M <= 2) is serial, as a
-    parallel launch there costs more than the work (measured 2.7 -> 5.5 us at 2 threads, K =
-    4096) and is one more point where a descheduled worker stalls the call."""
-    from schedules.x86_generic import rfactor_lanes, vector_lanes, vectorize_partial
-
+    """The prefill kernel's activation rounding (M x K elementwise work, small next to the
+    matmul), parallel over rows (``schedule_quantizer``)."""
     if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "quantize_activations":
         return None
     sch = s_tir.Schedule(func)
+    schedule_quantizer(sch, target, parallel=int(func.attrs[ops.FORMAT_ATTR].get("row_tile", 1)) > 1)
+    return sch
+
+
+def schedule_quantizer(sch: s_tir.Schedule, target: tvm.target.Target, parallel: bool = False):
+    """The stages of ``ops._quantize_stages`` in one pass per 32-value block: its |x| max and
+    code sum as vector partials reduced by a short tree (a 16-step scalar chain per block was
+    the critical path), its codes one vector op per step (int4 at K = 4096 on Zen 4: 4.1 ->
+    2.2 us; the same bits: max and integer sums do not depend on their order). ``parallel``:
+    over rows (the prefill form); the GEMV's M <= 2 rows run serial, as a parallel launch
+    there cost more than the work (2.7 -> 5.5 us at 2 threads, K = 4096)."""
+    from schedules.x86_generic import rfactor_lanes, vector_lanes, vectorize_partial
+
     lanes = min(vector_lanes(target), ops.ACT_BLOCK)
     # per block reduction: lanes of vector partials, then a tree of QUANT_TREE-wide partials
     partials = {name: [rf for rf in (rfactor_lanes(sch, sch.get_sblock(name), width) for width in (lanes, QUANT_TREE))
@@ -412,12 +419,11 @@ def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.targe
     consumers = [sch.get_sblock(name) for name in ("inv", "xd", "xq")] + partials["bsum"] + [sch.get_sblock("bsum")]
     for consumer in consumers:
         sch.reverse_compute_at(consumer, block)
-    if int(func.attrs[ops.FORMAT_ATTR].get("row_tile", 1)) > 1:
+    if parallel:  # before the partials' inits are split off (a loop over them is not parallel)
         sch.parallel(row)
     for rf in partials["amax"] + partials["bsum"]:
         vectorize_partial(sch, rf, *sch.get_loops(rf)[-2:])
     sch.vectorize(sch.get_loops(sch.get_sblock("xq"))[-1])
-    return sch
 
 
 SPARSE_COLS = 64  # output columns per parallel task of the outlier kernel

@@ -52,21 +52,24 @@ def int8_rounded_reference(x, fmt, qt):
 
 
 def a8_inputs(target, fmt, qt, x, row_tile=None) -> list:
-    """The int8 kernels' arguments but y: x quantized by the scheduled quantize_activations
-    kernel (rows padded to ``row_tile``), then the weights in the a8 layout."""
-    tile = row_tile or 1
-    quant = compile_scheduled(ops.quantize_activations_func(fmt, qt.k, tile), target)
+    """The int8 kernels' arguments but y: for the GEMV (``row_tile`` None) x itself (it
+    rounds x inside); for the prefill kernel x quantized by the scheduled
+    quantize_activations kernel (rows padded to ``row_tile``); then the weights in the a8 layout."""
+    weights = [tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)]
+    if row_tile is None:
+        return [tvm.runtime.tensor(np.ascontiguousarray(x, np.float32))] + weights
+    quant = compile_scheduled(ops.quantize_activations_func(fmt, qt.k, row_tile), target)
     kp, groups = fmt.padded_k(qt.k), fmt.padded_k(qt.k) // fmt.group_size_for(qt.k)
-    mp = -(-x.shape[0] // tile) * tile
+    mp = -(-x.shape[0] // row_tile) * row_tile
     acts = [tvm.runtime.tensor(np.full(s, 99, d)) for s, d in  # padding rows must be written too
             (((mp, kp), np.int8), ((mp, kp // 32), np.float32), ((mp, groups), np.float32))]
     quant["main"](tvm.runtime.tensor(x), *acts)
-    return acts + [tvm.runtime.tensor(a) for a in ops.a8_arrays(qt, NB)]
+    return acts + weights
 
 
 def run_a8(target, fmt, qt, x, row_tile=None, lib=None):
-    """quantize_activations + the GEMV (row_tile None) or the row-tiled prefill kernel
-    (or ``lib``, a compiled kernel of the same kind)."""
+    """The GEMV (row_tile None: x rounded inside) or quantize_activations + the row-tiled
+    prefill kernel (or ``lib``, a compiled kernel of the same kind)."""
     if lib is None:
         lib = compile_scheduled(ops.qmatmul_a8_func(fmt, qt.k, qt.n, NB) if row_tile is None
                                 else ops.qmatmul_a8_gemm_func(fmt, qt.k, qt.n, NB, row_tile), target)

@@ -45,31 +45,26 @@ class QtvmGemv(peer_lib.Peer):
                 module = compile_kernel(func, tgt).jit()
                 return module, module["main"]
 
-            kp = fmt.padded_k(self.K)
             from qtvm import bcq_a8_gemv, lut_gemv
             from schedules.x86_bcq import prefer_bcq_a8
             from schedules.x86_lut import prefer_lut16, prefer_lut16_a8
 
             if activations == "int8" and prefer_bcq_a8(fmt, self.K, tgt):  # BCQ, VBMI + VNNI: int8 nibble tables
-                kernels, scratch = (build(bcq_a8_gemv.bcq_a8_gemv_func(fmt, self.K, self.N, nb)),), []
+                kernel = build(bcq_a8_gemv.bcq_a8_gemv_func(fmt, self.K, self.N, nb))
                 arrays = ops.blocked_arrays(qt, nb)
             elif activations == "int8" and prefer_lut16_a8(fmt, self.K, tgt):  # BCQ: int16 tables
-                kernels, scratch = (build(lut_gemv.lut16_a8_gemv_func(fmt, self.K, self.N, nb)),), []
+                kernel = build(lut_gemv.lut16_a8_gemv_func(fmt, self.K, self.N, nb))
                 arrays = ops.blocked_arrays(qt, nb)
-            elif activations == "int8":
-                kernels = (build(ops.quantize_activations_func(fmt, self.K)),
-                           build(ops.qmatmul_a8_func(fmt, self.K, self.N, nb)))
-                scratch = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (
-                    ((1, kp), np.int8), ((1, kp // ops.ACT_BLOCK), np.float32),
-                    ((1, kp // fmt.group_size_for(self.K)), np.float32))]
+            elif activations == "int8":  # the GEMV rounds x itself
+                kernel = build(ops.qmatmul_a8_func(fmt, self.K, self.N, nb))
                 arrays = ops.a8_arrays(qt, nb)
             else:  # the GEMV the compiler picks: BCQ runs the 16-entry LUT kernel where it is faster
                 dense = lut_gemv.lut16_gemv_func if prefer_lut16(fmt, self.K, tgt) else ops.qmatmul_func
-                kernels, scratch = (build(dense(fmt, self.K, self.N, nb)),), []
+                kernel = build(dense(fmt, self.K, self.N, nb))
                 arrays = ops.blocked_arrays(qt, nb)
-            _shared = (qt, arrays, kernels, scratch)
+            _shared = (qt, arrays, kernel)
         self._shared = _shared
-        qt, arrays, _, _ = _shared
+        qt, arrays, _ = _shared
         self._weights = _weights_like_the_runtime(arrays)
         self.weight_bytes = int(sum(a.nbytes for a in arrays))
         self._x = tvm.runtime.tensor(np.zeros((1, self.K), np.float32))
@@ -80,12 +75,10 @@ class QtvmGemv(peer_lib.Peer):
         self._x = self._tensor(x.reshape(1, -1).astype(np.float32))
 
     def _calls(self) -> list:
-        """(module, its "main", arguments) of each kernel one GEMV runs, in order. The functions
-        are looked up once: a module's ``["main"]`` costs ~50 us, more than a small GEMV."""
-        _, _, kernels, scratch = self._shared
-        if len(kernels) == 2:  # quantize the activations, then the int8 GEMV
-            return [(*kernels[0], (self._x, *scratch)), (*kernels[1], (*scratch, *self._weights, self._y))]
-        return [(*kernels[0], (self._x, *self._weights, self._y))]
+        """(module, its "main", arguments) of each kernel one GEMV runs, in order (one: the int8
+        GEMV rounds x itself). The functions are looked up once: a module's ``["main"]`` costs
+        ~50 us, more than a small GEMV."""
+        return [(*self._shared[2], (self._x, *self._weights, self._y))]
 
     def run(self) -> None:
         for _module, main, args in self._calls():
