@@ -75,7 +75,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from qtvm import ops
 from qtvm.errors import QtvmError
-from schedules import tune_a8, tune_lut, x86
+from schedules import tir_pipeline, tune_a8, tune_lut, x86
 from schedules.knob_space import DesignSpaces
 from schedules.tune_runner import machine_note, record_machine
 
@@ -423,7 +423,8 @@ class InProcessBuilder(ms.builder.PyBuilder):
         results = []
         for item in build_inputs:
             try:
-                rt_mod = tvm.tirx.build(item.mod, target=item.target)
+                # through the TIR pipeline artefacts get (x86: chunk claiming, per-task prologues)
+                rt_mod = tvm.tirx.build(item.mod, target=item.target, pipeline=tir_pipeline(item.target))
                 folder = Path(tempfile.mkdtemp(prefix="qtvm-tune-build-"))
                 if self.shared:
                     path = folder / "kernel.so"
