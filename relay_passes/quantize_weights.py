@@ -309,8 +309,8 @@ class _Rewriter(PyExprMutator):
         return lambda x, m: [relax.op.call_tir(kernel, relax.Tuple([x, *weights]), relax.TensorType([m, n], "float32"))]
 
     def _a8_branch(self, qt: QuantizedTensor, weights, nb: int, row_tile: int):
-        """row_tile 1: x -> [y = call_tir(int8 GEMV, x)] (the GEMV rounds x itself, once in each
-        thread); the target's row tile: x -> [acts = quantize_activations(x), its three parts,
+        """row_tile 1: x -> [y = call_tir(int8 GEMV, x)] (the GEMV rounds x itself, serially
+        before its parallel loop); the target's row tile: x -> [acts = quantize_activations(x), its three parts,
         y = call_tir(prefill kernel)] (activations padded to whole tiles)."""
         fmt, k, n = qt.fmt, qt.k, qt.n
         if row_tile == 1:

@@ -392,7 +392,7 @@ QUANT_TREE = 4  # the second level of the per-block reductions: lanes -> 4 -> 1
 
 def schedule_quantize_activations_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
     """The prefill kernel's activation rounding (M x K elementwise work, small next to the
-    matmul), parallel over rows (``schedule_quantizer``)."""
+    matmul), parallel over rows in its row-tiled form (``schedule_quantizer``)."""
     if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "quantize_activations":
         return None
     sch = s_tir.Schedule(func)
