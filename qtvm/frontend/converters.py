@@ -420,7 +420,7 @@ def pow_(imp, node, attrs):
     if exponent == 3.0:
         x2 = imp.emit(relax.op.multiply(x, x))
         return relax.op.multiply(x2, x)
-    if exponent == 0.5 and x.ty.dtype.startswith("float"):
+    if exponent == 0.5 and str(x.ty.dtype).startswith("float"):  # a dtype object here, not a str
         return relax.op.sqrt(x)
     return None
 

@@ -442,6 +442,16 @@ def test_dimension_expression_needs_its_symbols_defined():
         import_onnx(model)
 
 
+def test_pow_by_a_half_is_a_square_root(tmp_path):
+    """x ** 0.5 of a tensor and of a scalar constant (DINOv2's legacy export takes the square
+    root of its patch count so): both crashed the converter on the dtype's type."""
+    nodes = [_const("half", 0.5, np.float32), _const("four", 4.0, np.float32),
+             helper.make_node("Abs", ["x"], ["ax"]), helper.make_node("Pow", ["ax", "half"], ["r"]),
+             helper.make_node("Pow", ["four", "half"], ["two"]), helper.make_node("Mul", ["r", "two"], ["y"])]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")]))
+    _check(module, session, _floats)
+
+
 def test_pow_by_small_constants_is_exact(tmp_path):
     """x ** 2 and x ** 3 become multiplications (no pow of a negative base)."""
     nodes = [_const("two", 2.0, np.float32), _const("three", 3.0, np.float32),
