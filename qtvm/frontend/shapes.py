@@ -525,6 +525,14 @@ class Folder:
             return self._binary(inputs, np.fmod, tirx.truncmod)
         return self._binary(inputs, np.mod, tirx.floormod)
 
+    def _Pow(self, attrs, inputs, shape_of):
+        """Numbers only (DINOv2's legacy export: int(16.0 ** 0.5) patches a side, a Reshape's shape)."""
+        a, b = self._need(inputs, 0, 1)
+        base, exponent = self._numeric(a), self._numeric(b)
+        if _int_of(a.dtype) and (np.asarray(exponent) < 0).any():
+            raise _Skip  # an integer to a negative power: numpy refuses, ONNX leaves it open
+        return self._make(np.power(base, exponent).astype(a.dtype), a.dtype)
+
     def _Neg(self, attrs, inputs, shape_of):
         (a,) = self._need(inputs, 0)
         return self._make(_elementwise(lambda x: -x, a.values), a.dtype)

@@ -159,3 +159,23 @@ def test_transpose_of_known(sym):
     shape = fold.fold("Shape", {}, [None], lambda i: [2, seq])[0]
     (u,) = fold.fold("Transpose", {}, [fold.fold("Unsqueeze", {}, [shape, _known([0])], None)[0]], None)
     assert [list(row) for row in u.values] == [[2], [seq]]
+
+
+@pytest.mark.parametrize("base, exponent", [(np.float32(16.0), np.float32(0.5)), (np.int64([2, 3]), np.int64(3)),
+                                            (np.float32([2.0, 9.0]), np.float32([-1.0, 0.5]))])
+def test_pow_of_known_matches_onnx(sym, base, exponent):
+    """DINOv2's legacy export: Cast(Pow(16.0, 0.5)) patches a side, in a Reshape's shape."""
+    fold = Folder(sym)
+    base, exponent = np.asarray(base), np.asarray(exponent)
+    (p,) = fold.fold("Pow", {}, [known_from_numpy(base), known_from_numpy(exponent)], None)
+    want = _onnxruntime("Pow", {}, [base, exponent], base.dtype)
+    np.testing.assert_array_equal(p.numpy(), want)
+    assert p.dtype == base.dtype
+
+
+def test_pow_of_a_symbol_or_a_negative_int_power_is_left_to_the_graph(sym):
+    fold = Folder(sym)
+    seq = sym.var("seq")
+    shape = fold.fold("Shape", {}, [None], lambda i: [2, seq])[0]
+    assert fold.fold("Pow", {}, [shape, _known([2])], None) is None
+    assert fold.fold("Pow", {}, [_known([2]), _known([-1])], None) is None
