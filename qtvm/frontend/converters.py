@@ -134,6 +134,26 @@ def expand(imp, node, attrs):
     return relax.op.broadcast_to(data, _shape_expr(imp, out))
 
 
+@converter("Tile")
+def tile(imp, node, attrs):
+    """Repeats known as values that name a dim (DeBERTa tiles its key positions, a Range, by
+    [seq, 1]): a broadcast over an inserted axis before each dim, merged back by a reshape, so
+    the output dims are the products (TVM's converter takes constant repeats only and names
+    new dims for the rest, which later ops cannot relate). Constant repeats go to TVM's."""
+    reps = imp.known_input(node, 1)
+    dims = imp.dims(node.input[0])
+    if reps is None or dims is None or not any(is_symbolic(r) for r in reps.ints()):
+        return None
+    reps = [imp.sym.norm(r) for r in reps.ints()]
+    if len(reps) != len(dims):
+        raise ImportFailure(f"Tile's {len(reps)} repeats do not match its input's {len(dims)} dims")
+    spread = [v for d in dims for v in (1, d)]
+    wide = [v for r, d in zip(reps, dims) for v in (r, d)]
+    x = imp.emit(relax.op.reshape(imp.expr(node.input[0]), _shape_expr(imp, spread)))
+    x = imp.emit(relax.op.broadcast_to(x, _shape_expr(imp, wide)))
+    return relax.op.reshape(x, _shape_expr(imp, [_product(imp, [r, d]) for r, d in zip(reps, dims)]))
+
+
 @converter("ConstantOfShape")
 def constant_of_shape(imp, node, attrs):
     shape = imp.known_input(node, 0)

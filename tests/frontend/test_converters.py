@@ -442,6 +442,22 @@ def test_dimension_expression_needs_its_symbols_defined():
         import_onnx(model)
 
 
+def test_tile_by_a_symbolic_repeat(tmp_path):
+    """DeBERTa's relative positions: Range(seq) as a row, tiled by [seq, 1], subtracted from its
+    column; TVM's Tile named the output dims anew, and the Sub could not relate them."""
+    seq = [helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "one"], ["n"], axis=0)]
+    nodes = [_const("zero", 0), _const("one", 1), _const("ax0", [0]), _const("ax1", [1]), _const("ones", [1]), *seq,
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Unsqueeze", ["r", "ax0"], ["row"]), helper.make_node("Unsqueeze", ["r", "ax1"], ["col"]),
+             helper.make_node("Unsqueeze", ["n", "ax0"], ["n1"]),
+             helper.make_node("Concat", ["n1", "ones"], ["reps"], axis=0),
+             helper.make_node("Tile", ["row", "reps"], ["rows"]), helper.make_node("Sub", ["col", "rows"], ["rel"]),
+             helper.make_node("Cast", ["rel"], ["relf"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["x", "relf"], ["y"])]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")]))
+    _check(module, session, _floats)
+
+
 def test_pow_by_a_half_is_a_square_root(tmp_path):
     """x ** 0.5 of a tensor and of a scalar constant (DINOv2's legacy export takes the square
     root of its patch count so): both crashed the converter on the dtype's type."""
