@@ -139,10 +139,20 @@ def generic_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> dict:
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
             continue
-        if relax.analysis.has_reshape_pattern(func):
+        if _reshape_pattern(func):
             continue
         out[gv] = schedule_generic_func(func, lanes)
     return out
+
+
+def _reshape_pattern(func: tirx.PrimFunc) -> bool:
+    """TVM's HasReshapePattern, False where its index analysis fails an internal check (a
+    reshape whose extent is a min/max of symbols, such as DeBERTa's min(seq, 16) relative
+    positions): the function is then scheduled as any other, a copy."""
+    try:
+        return bool(relax.analysis.has_reshape_pattern(func))
+    except tvm.error.InternalError:
+        return False
 
 
 def _mark_kernels_opaque(mod: tvm.IRModule) -> tvm.IRModule:

@@ -85,6 +85,9 @@ def build(family: str):
     elif family == "t5_encoder":
         model = tf.T5EncoderModel(tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2,
                                               num_heads=4))
+    elif family == "deberta":  # v1: relative positions from a Tile by [seq, 1], spans of min(seq, 16)
+        model = tf.DebertaModel(tf.DebertaConfig(relative_attention=True, pos_att_type=["c2p", "p2c"],
+                                                 max_relative_positions=16, **small))
     elif family == "deberta_v2":
         model = tf.DebertaV2Model(tf.DebertaV2Config(**small))
     elif family == "xglm":  # sinusoidal positions computed at run time from past .. past + seq
