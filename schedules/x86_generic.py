@@ -585,7 +585,8 @@ def _vectorizable(sch, loop) -> bool:
     block under it moves with it: a nested (reduction) loop or a reduction along the vector
     lanes turns a vector loop into wrong code, and TVM's vectorize primitive refuses neither.
     (A reduction block whose init is not decomposed yet is fine: vectorize must come first.)
-    Blocks calling a math function LLVM has no vector form for stay scalar too."""
+    Blocks calling a math function LLVM has no vector form for stay scalar too, and blocks
+    choosing between bool loads (``_bool_choice``)."""
     node = sch.get(loop)
     body = node.body
     stmts = list(body.seq) if isinstance(body, tirx.stmt.SeqStmt) else [body]
@@ -596,9 +597,19 @@ def _vectorizable(sch, loop) -> bool:
         for iv, value in zip(block.iter_vars, stmt.iter_values):
             if int(iv.iter_type) != tirx.IterVar.DataPar and _uses(value, node.loop_var):
                 return False
-        if _has_scalar_only_call(block):
+        if _has_scalar_only_call(block) or _bool_choice(block):
             return False
     return True
+
+
+def _bool_choice(block) -> bool:
+    """Whether ``block`` stores a bool chosen by an ``if_then_else``: vectorized, TVM's LLVM
+    codegen joins the branches' bool vectors with a phi whose operands are not of its type
+    (Funnel's pooled attention mask, a [batch, 3, 5] bool concat of strided slices: LLVM's
+    verifier refused the module)."""
+    store = block.body
+    return (isinstance(store, tirx.stmt.BufferStore) and str(store.buffer.dtype) == "bool"
+            and _value_has(block, lambda e: _call_name(e) == "if_then_else" or isinstance(e, tirx.Select)))
 
 
 def _vectorize(sch, loop) -> None:

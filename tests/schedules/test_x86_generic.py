@@ -173,6 +173,26 @@ def test_nothing_is_inlined_into_guarded_loads():
     assert is_scheduled(plain) and 'T.sblock("scaled")' not in plain.script()
 
 
+def test_a_bool_chosen_by_if_then_else_stays_scalar():
+    """Funnel's pooled attention mask (rows 0 and 2i - 1 of a bool mask, concatenated; int64
+    indices, as Relax legalizes them): vectorized, TVM's LLVM codegen joined the branches' bool
+    vectors with a mistyped phi and LLVM's verifier refused the module. It stays scalar,
+    builds, and computes numpy's rows."""
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
+    batch = tirx.Var("batch", "int64")
+    mask = te.placeholder((batch, i64(5), i64(5)), "bool", name="mask")
+    first = te.compute((batch, i64(1), i64(5)), lambda b, i, j: mask[b, i, j], name="first")
+    pooled = te.compute((batch, i64(3), i64(5)), lambda b, i, j: tirx.if_then_else(
+        i64(1) <= i * i64(2), mask[b, i * i64(2) - i64(1), j], first[b, i64(0), j]), name="pooled")
+    scheduled = schedule_generic_func(te.create_prim_func([mask, pooled]))
+    assert is_scheduled(scheduled)
+    rng = np.random.default_rng(0)
+    m = rng.random((2, 5, 5)) < 0.5
+    out = tvm.runtime.tensor(np.zeros((2, 3, 5), bool))
+    _compiled(scheduled)["main"](tvm.runtime.tensor(m), out)
+    np.testing.assert_array_equal(out.numpy(), np.concatenate([m[:, :1], m[:, 1:4:2]], axis=1))
+
+
 @pytest.mark.parametrize("lanes,cols,row_vectors", [(16, 64, 4), (16, 32, 2), (8, 64, 1), (8, 16, 2), (16, 48, 3),
                                                     (16, 80, 1), (16, 56, 1)])
 def test_attention_tile_spans_a_short_constant_row(lanes, cols, row_vectors):
