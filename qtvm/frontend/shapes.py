@@ -525,6 +525,20 @@ class Folder:
             return self._binary(inputs, np.fmod, tirx.truncmod)
         return self._binary(inputs, np.mod, tirx.floormod)
 
+    def _float_unary(self, inputs, fn) -> Known:
+        """Numbers only: shapes computed in float (MobileViT's legacy export: ceil(h / 2) * 2 patches)."""
+        (a,) = self._need(inputs, 0)
+        return self._make(fn(self._numeric(a)).astype(a.dtype), a.dtype)
+
+    def _Ceil(self, attrs, inputs, shape_of):
+        return self._float_unary(inputs, np.ceil)
+
+    def _Floor(self, attrs, inputs, shape_of):
+        return self._float_unary(inputs, np.floor)
+
+    def _Sqrt(self, attrs, inputs, shape_of):
+        return self._float_unary(inputs, np.sqrt)
+
     def _Pow(self, attrs, inputs, shape_of):
         """Numbers only (DINOv2's legacy export: int(16.0 ** 0.5) patches a side, a Reshape's shape)."""
         a, b = self._need(inputs, 0, 1)

@@ -179,3 +179,13 @@ def test_pow_of_a_symbol_or_a_negative_int_power_is_left_to_the_graph(sym):
     shape = fold.fold("Shape", {}, [None], lambda i: [2, seq])[0]
     assert fold.fold("Pow", {}, [shape, _known([2])], None) is None
     assert fold.fold("Pow", {}, [_known([2]), _known([-1])], None) is None
+
+
+@pytest.mark.parametrize("op", ["Ceil", "Floor", "Sqrt"])
+def test_float_unary_of_known_matches_onnx(sym, op):
+    """MobileViT's legacy export computes its patch grid as ceil(h / 2) * 2 in float."""
+    x = np.float32([0.5, 2.0, 2.25, 7.0])
+    (got,) = Folder(sym).fold(op, {}, [known_from_numpy(x)], None)
+    np.testing.assert_array_equal(got.numpy(), _onnxruntime(op, {}, [x], np.float32))
+    shape = Folder(sym).fold("Shape", {}, [None], lambda i: [2, sym.var("seq")])[0]
+    assert Folder(sym).fold(op, {}, [shape], None) is None  # a symbol stays a graph op
