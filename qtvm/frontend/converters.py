@@ -154,6 +154,23 @@ def tile(imp, node, attrs):
     return relax.op.reshape(x, _shape_expr(imp, [_product(imp, [r, d]) for r, d in zip(reps, dims)]))
 
 
+@converter("Resize")
+def resize(imp, node, attrs):
+    """Sizes known as values, their batch and channel entries the input's own (symbolic) dims
+    (MobileViT: Concat(Shape(x)[:2], [h, w])): TVM's converter reads only the spatial entries,
+    and only from a constant, so they are handed to it as one."""
+    sizes = imp.known_input(node, 3) if len(node.input) > 3 and node.input[3] else None
+    dims = imp.dims(node.input[0])
+    if sizes is None or dims is None or not sizes.symbolic:
+        return None  # no sizes, or constant ones: TVM's converter as it is
+    values = [imp.sym.norm(v) for v in sizes.ints()]
+    if (len(values) != len(dims) or any(is_symbolic(v) for v in values[2:])
+            or not all(imp.sym.equal(a, b) for a, b in zip(values[:2], dims[:2]))):
+        return None
+    spatial = relax.const(np.array([1, 1, *values[2:]], np.int64))  # entries 0 and 1: not read
+    return imp.tvm_convert(node, attrs, {3: spatial})
+
+
 @converter("ConstantOfShape")
 def constant_of_shape(imp, node, attrs):
     shape = imp.known_input(node, 0)

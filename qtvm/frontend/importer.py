@@ -130,11 +130,12 @@ class Importer(ONNXGraphImporter):
     def describe(self, name: str) -> str:
         return f"'{name}' {self.sym.dims_text(self.dims(name))}" if name else "(absent)"
 
-    def tvm_convert(self, node: onnx.NodeProto, attrs: dict):
-        """TVM's converter for ``node``, with known inputs materialized."""
+    def tvm_convert(self, node: onnx.NodeProto, attrs: dict, replace: dict | None = None):
+        """TVM's converter for ``node``, with known inputs materialized (``replace``: input
+        index -> the expression to hand it instead)."""
         inputs = onnx_input()
-        for name in node.input:
-            inputs.append(self.expr(name) if name else None)
+        for i, name in enumerate(node.input):
+            inputs.append((replace or {}).get(i, self.expr(name) if name else None))
         attrs = dict(attrs)
         attrs["tvm_custom"] = {"name": node.name, "num_outputs": len(node.output)}
         return self._convert_operator(node.op_type, inputs, attrs, self.opset)

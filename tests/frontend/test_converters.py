@@ -458,6 +458,21 @@ def test_tile_by_a_symbolic_repeat(tmp_path):
     _check(module, session, _floats)
 
 
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_resize_to_sizes_that_carry_the_batch_dim(tmp_path, mode):
+    """MobileViT: Resize's sizes are Concat(Shape(x)[:2], [h, w]), a symbolic batch in them;
+    TVM's converter took only a constant (and reads only the spatial entries)."""
+    nodes = [_const("start", [0]), _const("end", [2]), _const("hw", [6, 10]),
+             helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Slice", ["shape", "start", "end"], ["nc"]),
+             helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+             helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode=mode)]
+    model = _model(nodes, [_x("x", ("batch", 3, 4, 5))], [_x("y", ("batch", 3, 6, 10))], opset=13)
+    module, _, session = _compile(tmp_path, model)
+    for batch in (1, 3):
+        x = {"x": np.random.default_rng(batch).standard_normal((batch, 3, 4, 5)).astype(np.float32)}
+        np.testing.assert_allclose(module.run(x)["y"], session.run(None, x)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_pow_by_a_half_is_a_square_root(tmp_path):
     """x ** 0.5 of a tensor and of a scalar constant (DINOv2's legacy export takes the square
     root of its patch count so): both crashed the converter on the dtype's type."""
