@@ -19,7 +19,7 @@ Times, in one process and interleaved (order rotated each round), on the same ro
 Needs gcc, AVX-512 VNNI (the twin's intrinsics) and about twice the largest rotation in RAM (the
 probe's buffer is as large as the rotation). One thread unless ``--threads`` (the twin then splits its
 column blocks between OpenMP threads, evenly, as TVM's parallel loop does; the qtvm kernel rounds x
-inside, once in each thread, which the twin does not), weights on
+itself, serially before its parallel loop, which the twin does not), weights on
 huge pages as the bench puts them (glibc.malloc.hugetlb=1, set here before anything allocates).
 """
 from __future__ import annotations

@@ -347,8 +347,8 @@ def _a8_func(fmt, k, n, nb, args, y, kernel: str, **extra) -> tvm.tirx.PrimFunc:
 def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimFunc:
     """PrimFunc(x, *a8_arrays, y): y = x @ W with int8-rounded x (the GEMV), the rounding
     (``_quantize_stages``) in the same function, not a call of its own: one call and no
-    scratch tensors a GEMV (decode 1.5-3% faster end to end on the Intel Xeon VM; run in each
-    thread instead, it measured no faster).
+    scratch tensors a GEMV (speed level with the separate call within the Intel Xeon VM's noise;
+    run in each thread instead, it measured no faster either).
 
     dot[m, b, n] = sum over 32 values of xq * code (int32, exact)
     y[m, n] = sum_g scale * sum_{b in g} xd[m, b] * dot[m, b, n] + offset * xs[m, g]

@@ -423,7 +423,7 @@ class InProcessBuilder(ms.builder.PyBuilder):
         results = []
         for item in build_inputs:
             try:
-                # through the TIR pipeline artefacts get (x86: chunk claiming, per-task prologues)
+                # through the TIR pipeline artefacts get (x86: chunk claiming)
                 rt_mod = tvm.tirx.build(item.mod, target=item.target, pipeline=tir_pipeline(item.target))
                 folder = Path(tempfile.mkdtemp(prefix="qtvm-tune-build-"))
                 if self.shared:
