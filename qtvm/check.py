@@ -86,17 +86,20 @@ def parse_shape(text: str) -> dict:
     return out
 
 
-def default_bindings(dims: list[str]) -> list[dict]:
+def default_bindings(dims: list[str], minimums: dict | None = None) -> list[dict]:
     """Three bindings, dims taking different values in each (so a swapped axis shows), and
     every dim 1 where none of them is: rows M = batch x seq = 1 run the decode kernels (the
     GEMVs every generated token runs; with two dims the three bindings give M = 3, 51, 17,
-    all prefill)."""
+    all prefill). A dim the model needs at least m of (``dim_minimums``: audio samples under a
+    convolution) takes m - 1 more than each value instead."""
     if not dims:
         return [{}]
+    minimums = minimums or {}
     n = len(DEFAULT_DIM_VALUES)
     bindings = [{d: DEFAULT_DIM_VALUES[(i + j) % n] for j, d in enumerate(dims)} for i in range(n)]
     ones = {d: 1 for d in dims}
-    return bindings if ones in bindings else [ones, *bindings]
+    bindings = bindings if ones in bindings else [ones, *bindings]
+    return [{d: v + max(minimums.get(d, 1), 1) - 1 for d, v in b.items()} for b in bindings]
 
 
 def _symbolic_dims(inputs: list[dict]) -> list[str]:
@@ -507,7 +510,8 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
         rng = np.random.default_rng(seed)
         if bindings is None:
             free = [d for d in dims if d not in given]
-            bindings = _onnxruntime_prompt_rule(model, meta, default_bindings(free)) if free else [{}]
+            bindings = _onnxruntime_prompt_rule(model, meta, default_bindings(free, meta.get("dim_minimums")))\
+                if free else [{}]
         bindings = [{**given, **b} for b in bindings]
         for b in bindings:
             for name, expr in tied.items():

@@ -18,7 +18,7 @@ from qtvm.errors import QtvmError
 _KNOWN = {"format", "activations", "target", "required_cpu_flags", "inputs", "outputs", "quantized_matmuls",
           "packed_bytes", "float_weight_bytes", "layers", "prequantized_matmuls", "prequantized",
           "elf_machine", "gpu_arch", "device", "dim_limits", "may_be_zero", "kv_step", "combined_matmuls",
-          "bound_inputs"}
+          "bound_inputs", "dim_minimums", "routed_experts"}
 # Metadata keys naming the GPU architecture a device artefact needs (the GPU targets add one).
 GPU_ARCH_KEYS = ("required_gpu_arch", "gpu_arch", "cuda_arch", "sm")
 
@@ -123,9 +123,10 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
         limits = meta.get("dim_limits") or {}
         zero = set(meta.get("may_be_zero") or [])
         sums = [f"{d} <= {top}" for d, top in limits.items() if d not in symbols]  # past + seq <= 256
+        lows = {d: meta.get("dim_minimums", {}).get(d, 0 if d in zero else 1) for d in symbols}
         rows.append(("symbolic dims", ", ".join(
-            [f"{d} {'0' if d in zero else '1'}..{limits[d]}" if d in limits else f"{d}{' >= 0' if d in zero else ''}"
-             for d in symbols] + sums) + (" (any size at run time)" if not limits else "")))
+            [f"{d} {lows[d]}..{limits[d]}" if d in limits else f"{d}{f' >= {lows[d]}' if lows[d] != 1 else ''}"
+             for d in symbols] + sums) + (" (any size at run time)" if not limits and max(lows.values()) <= 1 else "")))
     if "quantized_matmuls" in meta:
         packed, floats = meta.get("packed_bytes", 0), meta.get("float_weight_bytes", 0)
         bits = 32.0 * packed / floats if floats else float("nan")

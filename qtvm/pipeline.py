@@ -144,6 +144,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         "outputs": [{"name": n, "dtype": d, "shape": derived if derived is not None else s}
                     for (n, d, s), derived in zip(summary.outputs, facts["output_dims"])],
         "dim_limits": facts["dim_limits"],
+        "dim_minimums": facts["dim_minimums"],
         "may_be_zero": facts["may_be_zero"],
     }
     if binds:  # `qtvm check` feeds them to onnxruntime

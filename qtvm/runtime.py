@@ -128,6 +128,7 @@ class Module:
         composite = []  # (input, axis, size, dim expression such as 'past + seq')
         may_be_zero = set(self.metadata.get("may_be_zero", []))
         limits = self.metadata.get("dim_limits", {})
+        minimums = self.metadata.get("dim_minimums", {})
         arrays = []
         for spec in self.inputs:
             name, a = spec["name"], np.asarray(feeds[spec["name"]])
@@ -147,6 +148,10 @@ class Module:
                 elif isinstance(dim, str) and dim != "?":
                     if size < 1 and not (size == 0 and dim in may_be_zero):
                         raise QtvmError(f"input '{name}' has size {size} on axis {axis} ('{dim}'); sizes must be >= 1")
+                    if size < minimums.get(dim, 0):
+                        raise QtvmError(f"input '{name}' has {dim} = {size}, but this model takes {dim} >= "
+                                        f"{minimums[dim]} (a convolution or pooling window over it would "
+                                        f"cover nothing)", f"pad the input to at least {minimums[dim]}")
                     if dim in limits and size > limits[dim]:
                         raise QtvmError(f"input '{name}' has {dim} = {size}, but this model takes {dim} <= "
                                         f"{limits[dim]} (the length of its position tables)",

@@ -22,6 +22,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -169,6 +170,43 @@ void CheckCpuFlags(const ffi::Map<ffi::Any, ffi::Any>& meta, const std::string& 
     throw BadInput("'" + model + "' needs CPU features " + missing + " that this CPU lacks; recompile it with --target host");
 }
 
+// A table of the metadata ({dim: bound}); empty where the artefact has none.
+ffi::Map<ffi::Any, ffi::Any> Table(const ffi::Map<ffi::Any, ffi::Any>& meta, const char* key) {
+  auto it = meta.find(ffi::String(key));
+  return it == meta.end() ? ffi::Map<ffi::Any, ffi::Any>() : (*it).second.cast<ffi::Map<ffi::Any, ffi::Any>>();
+}
+
+// As qtvm.runtime does for sizes of one symbol or none: a fixed size, at least 1 (0 where the
+// dim may be empty: a KV cache's past), at least a convolution's window (dim_minimums), at
+// most a position table's length (dim_limits). The VM would die of a negative or huge size.
+void CheckDims(const std::string& name, const ffi::Array<ffi::Any>& dims, const ffi::Tensor& t,
+               const ffi::Map<ffi::Any, ffi::Any>& meta) {
+  auto limits = Table(meta, "dim_limits"), minimums = Table(meta, "dim_minimums");
+  std::vector<std::string> zero;
+  auto it = meta.find(ffi::String("may_be_zero"));
+  if (it != meta.end())
+    for (const ffi::Any& d : (*it).second.cast<ffi::Array<ffi::Any>>()) zero.push_back(Str(d));
+  for (int i = 0; i < t.ndim(); ++i) {
+    int64_t size = t.size(i);
+    std::string at = "input '" + name + "' has size " + std::to_string(size) + " on axis " + std::to_string(i);
+    if (auto fixed = dims[i].try_cast<int64_t>()) {
+      if (*fixed != size) throw BadInput(at + ", expected " + std::to_string(*fixed));
+      continue;
+    }
+    std::string dim = Str(dims[i]);
+    bool may_be_zero = std::find(zero.begin(), zero.end(), dim) != zero.end();
+    if (size < 1 && !(size == 0 && may_be_zero)) throw BadInput(at + " ('" + dim + "'); sizes must be >= 1");
+    auto low = minimums.find(ffi::String(dim));
+    if (low != minimums.end() && size < (*low).second.cast<int64_t>())
+      throw BadInput(at + " ('" + dim + "'), but this model takes " + dim + " >= " +
+                     std::to_string((*low).second.cast<int64_t>()) + " (a convolution over it would cover nothing); pad the input");
+    auto top = limits.find(ffi::String(dim));
+    if (top != limits.end() && size > (*top).second.cast<int64_t>())
+      throw BadInput(at + " ('" + dim + "'), but this model takes " + dim + " <= " +
+                     std::to_string((*top).second.cast<int64_t>()) + " (the length of its position tables)");
+  }
+}
+
 // The weights blob (qtvm/deploy/weights.py), copied into tensors of their own; none where
 // the artefact keeps its weights in the VM's constants.
 std::vector<ffi::Tensor> LoadWeights(const std::string& model) {
@@ -275,6 +313,7 @@ int Run(int argc, char** argv) {
     if (want == nullptr || descr != want->descr) throw BadInput("input '" + name + "' has dtype " + descr + ", expected " + dtype);
     auto dims = spec.at(ffi::String("shape")).cast<ffi::Array<ffi::Any>>();
     if (static_cast<int64_t>(dims.size()) != t.ndim()) throw BadInput("input '" + name + "' has the wrong rank");
+    CheckDims(name, dims, t, meta);
     args.push_back(t);
     feeds.erase(it);
   }

@@ -32,6 +32,9 @@ CONTROL_FLOW = ("If", "Loop", "Scan")
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps leaves the function alone
 LIMITS_ATTR = "qtvm.dim_limits"  # {symbol: largest accepted value}, JSON
 OUTPUT_DIMS_ATTR = "qtvm.output_dims"  # [[dim, ...] per output], dims as ints or expression text, JSON
+MINIMUMS_ATTR = "qtvm.dim_minimums"  # {symbol: smallest accepted value}, JSON
+#: ops whose spatial output dims must be >= 1: their inputs' smallest sizes follow
+WINDOWED = frozenset({"Conv", "ConvInteger", "QLinearConv", "MaxPool", "AveragePool", "LpPool"})
 ZERO_ATTR = "qtvm.may_be_zero"  # symbols that may be bound to 0 (a KV cache's past length), JSON
 PINS_ATTR = "qtvm.pinned_dims"  # {input dim name: the constant a converter proved it is}, JSON
 VALUES_ATTR = "qtvm.values"  # on a shape-values PrimFunc: the expressions it computes, over its scalar params
@@ -176,6 +179,7 @@ class Importer(ONNXGraphImporter):
             raise
         mod = self.bb.get()
         facts = {"num_input": len(params), LIMITS_ATTR: json.dumps(self.sym.limits),
+                 MINIMUMS_ATTR: json.dumps(self.sym.minimums),
                  OUTPUT_DIMS_ATTR: json.dumps(self._output_dims(graph)),
                  ZERO_ATTR: json.dumps(self._may_be_zero(graph)), PINS_ATTR: json.dumps(self.pins)}
         mod["main"] = mod["main"].with_attrs(facts)
@@ -202,6 +206,8 @@ class Importer(ONNXGraphImporter):
 
         names = []
         for name, var in self.sym.vars.items():
+            if name in self.sym.minimums:
+                continue
             at = Analyzer()
             for v in self.sym.vars.values():
                 at.bind(v, tirx.IntImm("int64", 0 if v.same_as(var) else 1))
@@ -278,6 +284,9 @@ class Importer(ONNXGraphImporter):
                 result = self.tvm_convert(node, attrs)
             self._bind(node, result)
             self._carry_index_top(node, attrs)
+            if op in WINDOWED:  # a window that covers nothing is not valid ONNX (onnxruntime refuses it)
+                for d in (self.dims(node.output[0]) or [])[2:]:
+                    self.sym.at_least(d, 1)
         except (QtvmError, PinDims):
             raise
         except ImportFailure as e:
@@ -422,7 +431,8 @@ def _tvm_import(model: onnx.ModelProto) -> tvm.IRModule:
         raise QtvmError(f"TVM's ONNX importer failed on this graph with control flow: {failure.strip()[:300]}",
                         _control_flow_fix(model))
     no_dims = json.dumps([None] * len(model.graph.output))
-    mod["main"] = mod["main"].with_attrs({LIMITS_ATTR: "{}", OUTPUT_DIMS_ATTR: no_dims, ZERO_ATTR: "[]"})
+    mod["main"] = mod["main"].with_attrs({LIMITS_ATTR: "{}", MINIMUMS_ATTR: "{}", OUTPUT_DIMS_ATTR: no_dims,
+                                          ZERO_ATTR: "[]"})
     return mod
 
 
@@ -440,10 +450,12 @@ def _control_flow_fix(model: onnx.ModelProto) -> str:
 
 def import_facts(mod: tvm.IRModule) -> dict:
     """What the import derived, for the artefact's metadata: ``dim_limits`` {symbol: max},
+    ``dim_minimums`` {symbol: min} (inputs a convolution needs),
     ``output_dims`` (per output, derived from the input symbols), ``may_be_zero`` [symbols],
     ``pinned_dims`` {input dim name: constant} (``PinDims``)."""
     attrs = mod["main"].attrs
     return {"dim_limits": json.loads(str(attrs[LIMITS_ATTR])),
+            "dim_minimums": json.loads(str(attrs.get(MINIMUMS_ATTR, "{}"))),
             "output_dims": json.loads(str(attrs[OUTPUT_DIMS_ATTR])),
             "may_be_zero": json.loads(str(attrs[ZERO_ATTR])),
             "pinned_dims": json.loads(str(attrs.get(PINS_ATTR, "{}")))}

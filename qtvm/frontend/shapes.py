@@ -44,6 +44,7 @@ class Symbols:
         self.pins = dict(pins or {})  # dim names read as constants (``importer.PinDims``)
         self.vars: dict[str, tirx.Var] = {}
         self.limits: dict[str, int] = {}  # symbol or dim expression -> largest value the model accepts
+        self.minimums: dict[str, int] = {}  # symbol -> smallest value the model accepts (above ``minimum``)
         self._constraints: list = []  # entered analyzer constraint scopes (``limit`` of an expression)
         self.analyzer = Analyzer()
 
@@ -64,7 +65,8 @@ class Symbols:
             key = " + ".join(sorted(terms))
         self.limits[key] = min(self.limits.get(key, bound), bound)
         if isinstance(dim, tirx.Var):
-            self.analyzer.update(dim, ConstIntBound(self.minimum, self.limits[key]), override=True)
+            low = self.analyzer.const_int_bound(dim).min_value
+            self.analyzer.update(dim, ConstIntBound(low, self.limits[key]), override=True)
             return
         self._constraints.append(self.analyzer.constraint_scope(tirx.LE(dim, self.expr(bound))))
         self._constraints[-1].__enter__()  # for the rest of the import
@@ -76,6 +78,37 @@ class Symbols:
             if low > ConstIntBound.NEG_INF:
                 now = self.analyzer.const_int_bound(v)
                 self.analyzer.update(v, ConstIntBound(now.min_value, min(now.max_value, bound - low)), override=True)
+
+    def at_least(self, dim, low: int) -> None:
+        """Assume ``dim >= low`` from here on, where the model is only valid so (a convolution's
+        output length over ``seq`` is at least 1). Only for a dim that grows with its one symbol
+        (``(seq - 400) // 320 + 1``): the symbol's smallest value that satisfies it is recorded
+        (the artefact's metadata carries it, so the runtime refuses smaller inputs). Any other
+        dim is left as it is: nothing is assumed that the analyzer could not reverse."""
+        dim = self.norm(dim)
+        if not is_symbolic(dim) or self.prove(tirx.GE(dim, self.expr(low))):
+            return
+        found = _vars_of(dim)
+        if len(found) != 1 or not _grows_with(dim, found[0]):
+            return
+        v = found[0]
+        bound = self.analyzer.const_int_bound(v)
+
+        def holds(x: int) -> bool:
+            at = Analyzer()
+            at.bind(v, tirx.IntImm("int64", x))
+            return int(at.simplify(dim)) >= low
+
+        lo, hi = bound.min_value, max(bound.min_value, 1)
+        while not holds(hi):  # doubling, then bisection: holds is monotone in x
+            if hi > BIG >> 20 or hi >= bound.max_value:
+                return
+            lo, hi = hi, min(2 * hi, bound.max_value)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+        self.analyzer.update(v, ConstIntBound(hi, bound.max_value), override=True)
+        self.minimums[v.name] = max(self.minimums.get(v.name, hi), hi)
 
     def var(self, name: str) -> tirx.Var:
         if name not in self.vars:
@@ -175,6 +208,20 @@ def dim_text(e) -> str:
     if isinstance(e, (tirx.Min, tirx.Max)):
         return f"{type(e).__name__.lower()}({dim_text(e.a)}, {dim_text(e.b)})"
     return str(e)
+
+
+def _grows_with(e, v) -> bool:
+    """Whether ``e`` is non-decreasing in ``v``, by its form: sums, differences with a
+    constant, products and floor divisions by positive constants, min and max of such."""
+    if isinstance(e, tirx.IntImm) or isinstance(e, tirx.Var) and e.same_as(v):
+        return True
+    if isinstance(e, (tirx.Add, tirx.Min, tirx.Max)):
+        return _grows_with(e.a, v) and _grows_with(e.b, v)
+    if isinstance(e, tirx.Sub):
+        return _grows_with(e.a, v) and isinstance(e.b, tirx.IntImm)
+    if isinstance(e, (tirx.Mul, tirx.FloorDiv)):
+        return _grows_with(e.a, v) and isinstance(e.b, tirx.IntImm) and e.b.value > 0
+    return False
 
 
 def _polynomial(e) -> dict:
@@ -517,12 +564,22 @@ class Folder:
         if _int_of(a.dtype):  # ONNX integer Div truncates toward zero (as C does)
             def trunc_div(x, y):
                 return (np.abs(x) // np.abs(y)) * np.sign(x) * np.sign(y)
-            return self._binary(inputs, trunc_div, tirx.truncdiv)
+            return self._binary(inputs, trunc_div, self._truncating(tirx.truncdiv, tirx.floordiv))
         return self._binary(inputs, np.divide, None)
+
+    def _truncating(self, trunc, floor):
+        """``trunc`` as ``floor`` where both operands are provably non-negative, the divisor
+        positive: the analyzer relates floor divisions (conv output lengths) but leaves
+        ``T.Div(seq, 10)`` apart from ``seq // 10`` even for seq >= 0."""
+        def op(x, y):
+            zero = tirx.IntImm("int64", 0)
+            same = self.sym.prove(tirx.GE(x, zero)) and self.sym.prove(tirx.GT(y, zero))
+            return (floor if same else trunc)(x, y)
+        return op
 
     def _Mod(self, attrs, inputs, shape_of):
         if attrs.get("fmod", 0):
-            return self._binary(inputs, np.fmod, tirx.truncmod)
+            return self._binary(inputs, np.fmod, self._truncating(tirx.truncmod, tirx.floormod))
         return self._binary(inputs, np.mod, tirx.floormod)
 
     def _float_unary(self, inputs, fn) -> Known:

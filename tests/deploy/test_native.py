@@ -83,10 +83,35 @@ def test_qtvm_run_bad_input(host_bundle, tmp_path):
         proc = _run([exe, str(art.path), *args], tmp_path)
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             proc.stderr
+    np.save(tmp_path / "narrow.npy", np.zeros((2, 99), np.float32))
+    proc = _run([exe, str(art.path), "x=" + str(tmp_path / "narrow.npy")], tmp_path)
+    assert proc.returncode == 2 and "has size 99 on axis 1, expected 100" in proc.stderr, proc.stderr
     proc = _run([exe, str(tmp_path / "missing.so")], tmp_path)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = _run([exe, str(art.path), "--metadata"], tmp_path)
     assert proc.returncode == 0 and '"format": "int4-g128"' in proc.stdout
+
+
+def test_qtvm_run_refuses_an_input_shorter_than_a_convolution_s_window(host_bundle, models, tmp_path):
+    """The VM would die of the negative size (std::bad_alloc); qtvm_run names the minimum, as
+    qtvm.runtime does."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((2, 1, 10), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], strides=[5])], "conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, "frames"])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(models / "conv.onnx"))
+    art = compile_model(models / "conv.onnx", models / "conv.so", "host", "none")
+    exe = str(host_bundle[1] / "qtvm_run")
+    for seq, ok in ((9, False), (10, True)):
+        np.save(tmp_path / "x.npy", np.ones((1, 1, seq), np.float32))
+        proc = _run([exe, str(art.path), f"x={tmp_path / 'x.npy'}", "-o", str(tmp_path)], tmp_path)
+        if ok:
+            assert proc.returncode == 0 and np.load(tmp_path / "y.npy").tolist() == [[[10.0], [10.0]]], proc.stderr
+        else:
+            assert proc.returncode == 2 and "has size 9 on axis 2 ('seq'), but this model takes seq >= 10" \
+                in proc.stderr, proc.stderr
 
 
 def test_aarch64_artefact_runs_under_qemu(host_bundle, arm_bundle, tmp_path):

@@ -492,3 +492,61 @@ def test_pow_by_small_constants_is_exact(tmp_path):
     _check(module, session, _floats)
     x = np.array([[-2.0, -0.5, 3.0]], np.float32)
     np.testing.assert_array_equal(module.run({"x": x})["y"], x * x + x * x * x)
+
+
+def _strided_convs_then_slice(end_from_shape: bool):
+    """wav2vec2's feature encoder in small: two strided Conv1d over audio samples (frames =
+    seq // 10 - 1), then its positional conv's padding slice, frames - 1 as the end (the legacy
+    exporter writes Shape - 1), or as Div(seq, 10) - 2 (the dynamo exporter's ONNX Div)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 1, 10)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((4, 4, 3)).astype(np.float32), "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], strides=[5]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], strides=[2]),
+             _const("zero", [0]), _const("one", [1]), _const("two", [2]), _const("ten", [10])]
+    if end_from_shape:
+        nodes += [helper.make_node("Shape", ["c2"], ["sh"]), helper.make_node("Gather", ["sh", "two"], ["n"], axis=0)]
+    else:
+        nodes += [helper.make_node("Shape", ["x"], ["sh"]), helper.make_node("Gather", ["sh", "two"], ["samples"], axis=0),
+                  helper.make_node("Div", ["samples", "ten"], ["tenth"]), helper.make_node("Sub", ["tenth", "one"], ["n"])]
+    nodes += [helper.make_node("Sub", ["n", "one"], ["end"]),
+              helper.make_node("Slice", ["c2", "zero", "end", "two"], ["y"])]
+    return _model(nodes, [_x("x", ("batch", 1, "seq"))], [_x("y", ("batch", 4, "frames"))], inits)
+
+
+@pytest.mark.parametrize("end_from_shape", [True, False])
+def test_convolutions_give_their_input_a_minimum_length(tmp_path, end_from_shape):
+    """A Conv's output must be at least 1 long (onnxruntime refuses less), so its input is at
+    least the window: seq >= 20 here, which makes the slice's end seq // 10 - 2 provably
+    non-negative; both were refused as of unknown sign. The artefact records the minimum: the
+    runtime refuses a shorter input by name, inspect shows it, check binds above it."""
+    from qtvm.check import default_bindings
+
+    module, result, session = _compile(tmp_path, _strided_convs_then_slice(end_from_shape))
+    assert module.metadata["dim_minimums"] == {"seq": 20}
+    for batch, seq in ((1, 20), (2, 29), (1, 30), (3, 803)):
+        x = {"x": np.random.default_rng(seq).standard_normal((batch, 1, seq)).astype(np.float32)}
+        np.testing.assert_allclose(module.run(x)["y"], session.run(None, x)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(QtvmError, match=r"seq = 19, but this model takes seq >= 20 .* pad the input to at least 20"):
+        module.run({"x": np.zeros((1, 1, 19), np.float32)})
+    with pytest.raises(Exception):  # onnxruntime agrees that 19 is too short
+        session.run(None, {"x": np.zeros((1, 1, 19), np.float32)})
+    assert "symbolic dims: batch, seq >= 20\n" in summary(result.metadata) + "\n"
+    assert all(b["seq"] >= 20 for b in default_bindings(["batch", "seq"], module.metadata["dim_minimums"]))
+
+
+def test_integer_division_of_a_length_relates_to_a_window_s_output(tmp_path):
+    """Reshape to [batch, Div(seq, 10), -1] of a pooled [batch, 2, seq // 10]: ONNX's Div
+    truncates, and TVM's analyzer kept T.Div(seq, 10) apart from seq // 10 (the -1 did not
+    divide); for a non-negative length the two are one."""
+    nodes = [_const("two", [2]), _const("ten", [10]), _const("zero", [0]), _const("minus", [-1]),
+             helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[10], strides=[10]),
+             helper.make_node("Shape", ["x"], ["sh"]), helper.make_node("Gather", ["sh", "two"], ["samples"], axis=0),
+             helper.make_node("Div", ["samples", "ten"], ["frames"]),
+             helper.make_node("Gather", ["sh", "zero"], ["b"], axis=0),
+             helper.make_node("Concat", ["b", "frames", "minus"], ["target"], axis=0),
+             helper.make_node("Reshape", ["p", "target"], ["y"])]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x("x", ("batch", 2, "seq"))], [_x("y", ("batch", "f", 2))]))
+    for batch, seq in ((1, 10), (2, 37), (3, 400)):
+        x = {"x": np.random.default_rng(seq).standard_normal((batch, 2, seq)).astype(np.float32)}
+        np.testing.assert_allclose(module.run(x)["y"], session.run(None, x)[0], rtol=1e-5, atol=1e-5)

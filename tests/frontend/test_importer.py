@@ -76,6 +76,24 @@ def test_more_families_match_onnxruntime(hf_model, hf_compiled, family, exporter
     _compare(result, hf_model(family, exporter), quant, [(b, s, 0) for b, s in LENGTHS + [(3, 5)]], tol)
 
 
+@pytest.mark.parametrize("exporter,quant", [("legacy", "none"), ("dynamo", "none"), ("legacy", "int4-g32")])
+def test_audio_encoder_matches_onnxruntime(hf_model, hf_compiled, exporter, quant):
+    """wav2vec2 on raw samples: its convolutions make frames = seq // 10 - 1, which only an input
+    of at least 20 samples makes non-empty (onnxruntime refuses less); the import records that
+    minimum, and with it proves the positional conv's padding slice (legacy: end frames - 1) and
+    the dynamo export's max(seq // 10 - 1, 0) frames; both were refused as of unknown sign."""
+    from qtvm import runtime
+    from qtvm.errors import QtvmError
+
+    result = hf_compiled("wav2vec2", exporter, quant)
+    assert result.metadata["dim_minimums"] == {"seq": 20}
+    assert result.metadata["outputs"][0]["shape"] == ["batch", "seq // 10 - 1", 64]
+    _compare(result, hf_model("wav2vec2", exporter), quant, [(1, 20, 0), (2, 803, 0), (3, 1600, 0)],
+             1e-4 if quant == "none" else 1e-3)
+    with pytest.raises(QtvmError, match="takes seq >= 20"):
+        runtime.load(result.path).run({"input_values": np.zeros((1, 19), np.float32)})
+
+
 @pytest.mark.parametrize("family,exporter", sorted(NEWER_FAMILIES.items()))
 def test_newer_families_match_onnxruntime(hf_model, hf_compiled, family, exporter):
     """Decoders newer than the corpus above, each with the ops its architecture adds (softcaps,

@@ -189,3 +189,21 @@ def test_float_unary_of_known_matches_onnx(sym, op):
     np.testing.assert_array_equal(got.numpy(), _onnxruntime(op, {}, [x], np.float32))
     shape = Folder(sym).fold("Shape", {}, [None], lambda i: [2, sym.var("seq")])[0]
     assert Folder(sym).fold(op, {}, [shape], None) is None  # a symbol stays a graph op
+
+
+def test_at_least_finds_the_smallest_length_and_declines_what_it_cannot_read(sym):
+    """A conv chain's output length grows with its input: the smallest input that gives >= 1 is
+    found exactly (brute force agrees); a dim that does not grow by its form, or has two
+    symbols, leaves no minimum (nothing is assumed that might be wrong)."""
+    seq = sym.var("seq")
+    frames = sym.norm(((seq - 10) // 5 + 1 - 3) // 2 + 1)
+    sym.at_least(frames, 1)
+    want = next(s for s in range(1000) if ((s - 10) // 5 + 1 - 3) // 2 + 1 >= 1)
+    assert sym.minimums == {"seq": want} == {"seq": 20}
+    assert sym.prove(seq // 10 - 2 >= 0)  # the padding slice's end, refused before
+    sym.at_least(seq - 5, 1)  # already true: nothing more recorded
+    assert sym.minimums == {"seq": 20}
+    other, batch = sym.var("other"), sym.var("batch")
+    sym.at_least(sym.norm(30 - other), 1)
+    sym.at_least(sym.norm(other * batch - 3), 1)
+    assert "other" not in sym.minimums and "batch" not in sym.minimums

@@ -42,6 +42,8 @@ NEWER_FAMILIES = {"gemma2": "dynamo", "gemma3": "legacy", "qwen3": "dynamo", "ph
                   "olmo2": "legacy", "granite": "dynamo", "starcoder2": "legacy", "phi": "dynamo"}
 DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm", "gpt_neo",
             "mixtral", *NEWER_FAMILIES)
+#: audio encoders: input_values [batch, seq] (float samples), no mask
+AUDIO = ("wav2vec2",)
 EXPORTERS = ("legacy", "dynamo")
 #: dynamo at opset 23: scaled_dot_product_attention becomes ONNX's Attention op, the rotary
 #: embedding RotaryEmbedding, RMSNorm RMSNormalization (at the default opset they are decomposed)
@@ -108,6 +110,11 @@ def build(family: str):
         model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                                                        experts_implementation="batched_mm", num_key_value_heads=2,
                                                        **small))
+    elif family == "wav2vec2":  # audio samples through two strided convs: frames = seq // 10 - 1, seq >= 20
+        model = tf.Wav2Vec2Model(tf.Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=96, conv_dim=(16, 16), conv_stride=(5, 2),
+                                                   conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                                   num_conv_pos_embedding_groups=4))
     elif family in NEWER_FAMILIES:
         model = _newer(tf, family, small)
     elif family == "minilm":
@@ -161,6 +168,12 @@ def _wrapper(model, family: str, kv: bool, layers: int, mask: bool = True):
         def forward(self, input_ids):
             return super().forward(input_ids)
 
+    class Audio(Plain):
+        def forward(self, input_values):
+            return self.m(input_values=input_values).last_hidden_state
+
+    if family in AUDIO:
+        return Audio()
     return flat_cache_module(model, layers) if kv else Plain() if mask else IdsOnly()
 
 
@@ -192,6 +205,8 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
         outs += [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     if not mask:
         names, args = names[:1], args[:1]
+    if family in AUDIO:
+        names, args = ["input_values"], [torch.randn(batch, 400)]
     wrapper = _wrapper(model, family, kv, kv_shape(model)[0] if kv else 0, mask)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,8 +216,9 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if exporter == "legacy":
-                axes = {"input_ids": {0: "batch", 1: "seq"},
+                axes = {"input_ids": {0: "batch", 1: "seq"}, "input_values": {0: "batch", 1: "seq"},
                         "attention_mask": {0: "batch", 1: "past + seq" if kv else "seq"}}
+                axes = {k: v for k, v in axes.items() if k in names}
                 axes.update({n: {0: "batch", 2: "past"} for n in names[2:]})
                 axes.update({n: {0: "batch", 2: "past + seq"} for n in outs[1:]})
                 torch.onnx.export(wrapper, tuple(args), tmp, dynamo=False, opset_version=17, input_names=names,
@@ -210,7 +226,8 @@ def export(family: str, exporter: str, path: str | os.PathLike, kv: bool = False
             else:
                 dim = torch.export.Dim
                 b, s, p = dim("batch"), dim("seq"), dim("past")
-                shapes = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: dim.AUTO if kv else s}}
+                shapes = {"input_ids": {0: b, 1: s}, "input_values": {0: b, 1: s},
+                          "attention_mask": {0: b, 1: dim.AUTO if kv else s}}
                 shapes = {k: v for k, v in shapes.items() if k in names}
                 if kv:
                     shapes["past"] = tuple({0: b, 2: p} for _ in args[2:])
@@ -295,6 +312,8 @@ def feeds(inputs: list[dict], batch: int, seq: int, past: int = 0, seed: int = 0
         name = spec["name"]
         if name == "input_ids":
             out[name] = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
+        elif name == "input_values":  # audio samples
+            out[name] = rng.standard_normal((batch, seq)).astype(np.float32)
         elif name == "attention_mask":
             mask = np.ones((batch, past + seq), np.int64)
             if batch > 1 and past + seq > 2 and past == 0:
