@@ -399,8 +399,9 @@ def _dequantized_reference(model, meta: dict):
     fmt, what = get_format(fmt_name), f"onnxruntime on the {fmt_name} weights dequantized"
     if meta.get("prequantized_matmuls") and meta["prequantized_matmuls"] == meta["quantized_matmuls"]:
         what = "onnxruntime on the model's own quantized weights (no float weights were left to quantize)"
+    experts = bool(meta.get("routed_experts"))
     if not int8:
-        reference = dequantized_model(model, fmt)
+        reference = dequantized_model(model, fmt, experts=experts)
         return reference, what + (_RELAXED if _float_activations(reference) else ""), FP32_TOLERANCE
     from qtvm.target import parse_target
     from schedules import facts
@@ -410,11 +411,12 @@ def _dequantized_reference(model, meta: dict):
         unmodelled = f"{meta['prequantized_matmuls']} matmuls came quantized in the model"
     else:
         try:
-            rounded = dequantized_model(model, fmt, int8_facts=facts(parse_target(meta["target"])), jitter=True)
+            rounded = dequantized_model(model, fmt, int8_facts=facts(parse_target(meta["target"])), jitter=True,
+                                        experts=experts)
         except UnmodelledRounding as e:
             unmodelled = str(e)
     if unmodelled is not None:
-        return (dequantized_model(model, fmt), what + f" (int8 activations not modelled: {unmodelled}; their "
+        return (dequantized_model(model, fmt, experts=experts), what + f" (int8 activations not modelled: {unmodelled}; their "
                 "rounding is in the error)", INT8_UNMODELLED_TOLERANCE)
     return rounded, what + ", matmul inputs rounded to int8 as the kernels round them", None
 
@@ -532,6 +534,9 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
     if fallback:
         report.reference = (report.reference.replace("onnxruntime", "ONNX's reference evaluator", 1)
                             + f" (onnxruntime cannot run this model: {fallback})")
+    if report.tolerance is None and not jitter_inputs:  # int8 asked, but no matmul input was rounded
+        report.tolerance = max(FP32_TOLERANCE, half_floor)
+        report.rule = "float rounding: no matmul of this artefact rounds its input to int8 (each kept fp32)"
     if report.tolerance is None:  # int8: the bound this model's flip noise sets (and its half precision's)
         report.tolerance = max(INT8_ACT_FLOOR, half_floor, FLIP_FACTOR * max(r.flip_noise for r in report.rows))
         report.rule = (f"max({INT8_ACT_FLOOR:g}, " + (f"{half_rule}, " if half is not None else "")

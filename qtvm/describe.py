@@ -153,7 +153,8 @@ def summary(meta: dict, path: str | os.PathLike | None = None) -> str:
         lines.append(f"  {'format':<14}{'K x N':>14}{'bits/w':>9}{'count':>7}")
         for row in layers:
             shape = f"{row['k']} x {row['n']}"
-            lines.append(f"  {row['format']:<14}{shape:>14}{row['bits_per_weight']:>9.3f}{row['count']:>7}")
+            experts = f"  (each of {row['experts']} experts)" if row.get("experts") else ""
+            lines.append(f"  {row['format']:<14}{shape:>14}{row['bits_per_weight']:>9.3f}{row['count']:>7}{experts}")
     other = {k: v for k, v in meta.items() if k not in _KNOWN and k not in GPU_ARCH_KEYS}
     for key, value in other.items():
         lines.append(f"{key + ':':<{width}}{value if isinstance(value, str) else json.dumps(value)}")

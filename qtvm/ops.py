@@ -107,15 +107,58 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = 
     so with chunks smaller than the group a GPU lane reduces its own chunk and applies the
     group's coefficients itself, and lanes split K without a reduction per group.
     """
-    m, kp, gs, ch, (nchunks, nblk, per_group), x, stored, at_column = _chunked_inputs(fmt, k, n, nb, chunk)
-    xk = padded_reader(x, k, kp)
+    m, kp, gs, ch, dims, x, stored, at_column = _chunked_inputs(fmt, k, n, nb, chunk)
+    y, terms = _grouped_stages(fmt, k, n, nb, m, kp, ch, dims, x, lambda i, j: at_column(j))
+    func = te.create_prim_func([x, *stored.values(), y])
+    desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=terms)
+    if chunk is not None:
+        desc["chunk"] = ch
+    return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
 
-    num_terms = decode_term_count(fmt, at_column)
+
+def qmatmul_experts_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int) -> tvm.tirx.PrimFunc:
+    """PrimFunc(x[m, k], ids[m], *blocked arrays of every expert, y[m, n]): row i multiplied
+    by expert ids[i]'s weight (a mixture of experts' routed matmul, ``take(W[E], ids) @ x``
+    as the exporters write it). Each stored array gains a leading expert axis
+    ([E, ceil(N / nb), rows, nb], ``expert_arrays``); the stages and block names are
+    ``qmatmul_func``'s, so its schedules apply (x86: ``schedule_qmatmul_experts_x86``). An id is read modulo E (ONNX Gather's
+    negative ids; a wrong id reads a wrong expert, never out of bounds)."""
+    m, kp, gs, ch, dims, x, _, _ = _chunked_inputs(fmt, k, n, nb, None)
+    ids = te.placeholder((m,), "int64", name="ids")
+    stored = {name: te.placeholder((experts, dims[1], rows, nb), fmt.array_dtype(name), name=name)
+              for name, rows in fmt.array_rows(k).items()}
+
+    def at_row_column(i, j):
+        e = tirx.floormod(ids[i], tirx.const(experts, "int64"))
+        return lambda name, row: stored[name][e, j // nb, row, j % nb]
+
+    y, terms = _grouped_stages(fmt, k, n, nb, m, kp, ch, dims, x, at_row_column)
+    func = te.create_prim_func([x, ids, *stored.values(), y])
+    desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=terms, experts=experts)
+    return func.with_attrs({KERNEL_ATTR: "qmatmul_experts", FORMAT_ATTR: desc})
+
+
+def expert_arrays(tensors: list[QuantizedTensor], nb: int) -> list[np.ndarray]:
+    """``qmatmul_experts_func``'s weight arguments: each expert's ``blocked_arrays``, stacked."""
+    per_expert = [blocked_arrays(qt, nb) for qt in tensors]
+    return [np.stack(parts) for parts in zip(*per_expert)]
+
+
+def _grouped_stages(fmt: QuantFormat, k: int, n: int, nb: int, m, kp: int, ch: int, dims, x, at_row_column):
+    """The grouped formula's stages (partials per decode term, x sums, the group reduction,
+    y); ``at_row_column(i, j)`` -> load(name, row) of the weights row i multiplies at column j.
+    Returns (y, number of decode terms)."""
+    nchunks, nblk, per_group = dims
+    xk = padded_reader(x, k, kp)
+    zero = tirx.const(0, "int32")
+    num_terms = len(fmt.te_decode_terms(at_row_column(zero, zero), zero))
+
     def partial(t):
         r = te.reduce_axis((0, ch), name="kk")
         return te.compute(
             (m, nchunks, nblk * nb),
-            lambda i, g, j: te.sum(xk(i, g * ch + r) * fmt.te_decode_terms(at_column(j), g * ch + r)[t], axis=r),
+            lambda i, g, j: te.sum(xk(i, g * ch + r) * fmt.te_decode_terms(at_row_column(i, j), g * ch + r)[t],
+                                   axis=r),
             name=partial_block(t))
 
     partials = [partial(t) for t in range(num_terms)]
@@ -125,19 +168,14 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = 
     rg = te.reduce_axis((0, nchunks), name="g")
 
     def group_term(i, j):
-        coefs, offset = fmt.te_group_coefs(at_column(j), rg if per_group == 1 else rg // per_group)
+        coefs, offset = fmt.te_group_coefs(at_row_column(i, j), rg if per_group == 1 else rg // per_group)
         total = offset * xsum[i, rg]
         for coef, part in zip(coefs, partials):
             total = total + coef * part[i, rg, j]
         return total
 
     acc = te.compute((m, nblk * nb), lambda i, j: te.sum(group_term(i, j), axis=rg), name=BLOCK_ACC)
-    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
-    func = te.create_prim_func([x, *stored.values(), y])
-    desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=num_terms)
-    if chunk is not None:
-        desc["chunk"] = ch
-    return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
+    return te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT), num_terms
 
 
 # -- fp16 activations (a user option: it rounds activations, GPU targets) ----

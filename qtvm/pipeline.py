@@ -176,6 +176,12 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
 
             mod, db_notes = apply_database(mod, target, db)
             notes.extend(db_notes)
+        if report.routed:
+            meta["routed_experts"] = report.routed
+            notes.append(f"{report.routed} mixture-of-experts matmuls packed, each expert's weight on its own "
+                         "(one kernel call, each row by its routed expert)")
+            if report.routed == len(summary.routed_matmuls):
+                summary.float_matmuls = [n for n in summary.float_matmuls if n not in summary.routed_matmuls]
         if summary.float_matmuls:
             notes.append(f"left in float: {len(summary.float_matmuls)} MatMul/Gemm whose weight is not a "
                          f"constant ({', '.join(summary.float_matmuls[:4])}"
@@ -293,9 +299,11 @@ def _layer_table(layers) -> list[dict]:
     """Packed matmuls grouped by (format, K, N), for `qtvm inspect`: bits/weight from stored bytes."""
     rows: dict[tuple, dict] = {}
     for layer in layers:
-        key = (layer.fmt.name, layer.k, layer.n)
+        key = (layer.fmt.name, layer.k, layer.n, layer.experts)
         row = rows.setdefault(key, {"format": key[0], "k": layer.k, "n": layer.n, "count": 0,
                                     "bits_per_weight": round(layer.bits_per_weight, 3)})
+        if layer.experts > 1:
+            row["experts"] = layer.experts
         row["count"] += 1
     return list(rows.values())
 

@@ -20,7 +20,7 @@ JITTER_INPUT = "qtvm_jitter/"  # name prefix of the jitter inputs ``dequantized_
 
 
 def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None, jitter: bool = False,
-                      quantized: dict | None = None) -> onnx.ModelProto:
+                      quantized: dict | None = None, experts: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` whose constant matmul weights went through ``fmt``.
 
     Each weight matmul (``qtvm.frontend.onnx.weight_sources``, the quantizer's rule) reads
@@ -39,6 +39,9 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     rounding steps that move with the last bits cost this model.
     ``quantized``: QuantizedTensors already made, by (weight name, read transposed) (the quantize
     report's, e.g. GPTQ's); the other weights go through ``fmt``.
+    ``experts``: the mixture-of-experts weights the routed matmuls gather (``routed_sources``)
+    go through ``fmt`` too, each expert's matrix on its own (an artefact whose target packed
+    them: metadata ``routed_experts``); their inputs are never rounded (fp32 kernel).
     """
     from qtvm.frontend.onnx import graph_scopes, weight_sources
 
@@ -93,6 +96,8 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
                 made[key] = stored.name = f"{src.name}.qtvm_dequantized{len(made)}"
                 out.graph.initializer.append(stored)
         src.node.input[1] = made[key]
+    if experts:
+        _dequantize_experts(out, fmt)
     for graph, _ in reversed(scopes):  # a branch before the graph holding it (its nodes are copied)
         if not any(at[0] == id(graph) for at in (*before, *after)):
             continue
@@ -109,6 +114,27 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
     return out
+
+
+def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat) -> None:
+    """Each routed matmul's gathered weight replaced by a new initializer: every expert's
+    matrix through ``fmt`` in the [K, N] orientation the kernel packs (W[e].T where the
+    export stores [N, K])."""
+    from qtvm.frontend.onnx import routed_sources
+
+    made: dict[str, str] = {}
+    for src in routed_sources(model):
+        if src.name not in made:
+            w = numpy_helper.to_array(src.tensor).astype(np.float32, copy=False)
+            deq = []
+            for e in range(w.shape[0]):
+                kn = np.ascontiguousarray(w[e].T if src.side == 0 else w[e])
+                d = fmt.quantize(kn).dequantize()[:kn.shape[0], :kn.shape[1]]
+                deq.append(d.T if src.side == 0 else d)
+            stored = numpy_helper.from_array(np.ascontiguousarray(np.stack(deq)).astype(np.float32))
+            made[src.name] = stored.name = f"{src.name}.qtvm_dequantized_experts"
+            model.graph.initializer.append(stored)
+        src.gather.input[0] = made[src.name]
 
 
 def _at(src) -> tuple:

@@ -16,6 +16,7 @@ import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.sym import Analyzer
 
 from qtvm import ops
 from qtvm.deploy.weights import tensor_nbytes
@@ -28,6 +29,8 @@ MATMUL = tvm.ir.Op.get("relax.matmul")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 CONCAT = tvm.ir.Op.get("relax.concat")
 ASTYPE = tvm.ir.Op.get("relax.astype")
+TAKE = tvm.ir.Op.get("relax.take")
+GATHER_ND = tvm.ir.Op.get("relax.gather_nd")
 HALF = ("float16", "bfloat16")  # weights quantized from these too, read as float32
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps must leave the kernel alone
 
@@ -42,6 +45,7 @@ class QuantizedMatmul:
     fmt: QuantFormat
     packed_bytes: int
     float_bytes: int
+    experts: int = 1  # a mixture of experts' routed matmul: one [K, N] weight per expert
 
     @classmethod
     def of(cls, qt: QuantizedTensor, float_bytes: int) -> "QuantizedMatmul":
@@ -49,7 +53,7 @@ class QuantizedMatmul:
 
     @property
     def bits_per_weight(self) -> float:
-        return bits_per_weight(self.packed_bytes, self.k, self.n)
+        return bits_per_weight(self.packed_bytes, self.k, self.n * self.experts)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class QuantizeReport:
     layers: list[QuantizedMatmul] = field(default_factory=list)
     float_matmuls: int = 0  # weight is computed at run time
     fp32_activation_fallbacks: list[str] = field(default_factory=list)  # int8 asked, not possible
+    routed: int = 0  # mixture-of-experts matmuls packed (``take(W[E], ids) @ x``)
 
     @property
     def packed_bytes(self) -> int:
@@ -190,6 +195,9 @@ class _Rewriter(PyExprMutator):
             if perm is not None:  # act-order: x @ W == x[..., perm] @ W_kernel
                 x = self.builder_.emit(relax.op.take(x, relax.const(perm), axis=-1))
             return self._emit_qmatmul(x, qt)
+        routed = self._routed_experts(call) if self.fmt is not None and self.facts.routed_experts else None
+        if routed is not None:
+            return routed
         source = _weight_source(call.args[1], self.lookup_binding, widened=True) if self.fmt is not None else None
         if source is None or x.ty.dtype != "float32" or x.ty.ndim < 1:
             self.report.float_matmuls += 1
@@ -197,6 +205,66 @@ class _Rewriter(PyExprMutator):
         qt = quantize_source(self.fmt, source)
         self.report.layers.append(QuantizedMatmul.of(qt, source_nbytes(source)))
         return self._emit_qmatmul(x, qt)
+
+    def _routed_experts(self, call):
+        """A mixture of experts' routed matmul as transformers' batched experts export it:
+        ``take(W[E, N, K], ids) @ x[S, K, 1]`` or ``x[S, 1, K] @ take(W[E, K, N], ids)``, W a
+        float32 constant, ids [S] (an expert per row). Each expert's [K, N] weight is packed and
+        one ``qmatmul_experts`` kernel multiplies each row by its expert's weight, where the float
+        graph gathered S copies of whole matrices. None (left in float) for any other form and
+        for a composite format (mixed precision ranks rows per matrix)."""
+        for side in (0, 1):
+            gathered, x = self._bound(call.args[side]), call.args[1 - side]
+            ids = _expert_ids(gathered)
+            if ids is None:
+                continue
+            weight = self._bound(gathered.args[0])
+            if not (isinstance(weight, tvm.ir.expr.Constant) and isinstance(weight.value, tvm.runtime.Tensor)
+                    and len(weight.value.shape) == 3 and str(weight.value.dtype) == "float32"):
+                continue
+            if not (x.ty.dtype == "float32" and x.ty.ndim == 3 and x.ty.shape is not None):
+                continue
+            experts, rows_w, cols_w = (int(d) for d in weight.value.shape)
+            k, n = (cols_w, rows_w) if side == 0 else (rows_w, cols_w)
+            s, a, b = x.ty.shape.values
+            vector = (a, b) if side == 0 else (b, a)  # (K, 1): x is [S, K, 1] or [S, 1, K]
+            if not (_is_int(vector[0], k) and _is_int(vector[1], 1)
+                    and Analyzer().can_prove_equal(s, ids.ty.shape.values[0])):
+                continue
+            stacked = _float_view(weight.value)
+
+            def expert(e):
+                return self.fmt.quantize(np.ascontiguousarray(stacked[e].T if side == 0 else stacked[e]))
+
+            tensors = [expert(0)]
+            parts = self.fmt.kernel_parts(tensors[0], **self.facts.parts_options)
+            if parts.sparse is not None or len(parts.dense) != 1 or parts.dense[0][0] is not None:
+                return None
+            tensors += [expert(e) for e in range(1, experts)]
+            if self.activations != "fp32":
+                self.report.fp32_activation_fallbacks.append("mixture-of-experts routed matmuls (fp32 kernel only)")
+            self.report.layers.append(QuantizedMatmul(k, n, self.fmt, sum(t.nbytes for t in tensors),
+                                                      tensor_nbytes(weight.value), experts))
+            self.report.routed += 1
+            fmt, nb = self.fmt, self.facts.col_block
+            kernel = self._kernel("qmatmul_experts", fmt, lambda: ops.qmatmul_experts_func(fmt, k, n, nb, experts),
+                                  k, n, experts)
+            x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([s, k])))
+            if ids.ty.ndim == 2:  # GatherND's [S, 1]
+                ids = self.builder_.emit(relax.op.reshape(ids, relax.ShapeExpr([s])))
+            ids64 = ids if str(ids.ty.dtype) == "int64" else self.builder_.emit(relax.op.astype(ids, "int64"))
+            weights = [relax.const(a) for a in ops.expert_arrays(tensors, nb)]
+            y2 = self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([x2, ids64, *weights]),
+                                                      relax.TensorType([s, n], "float32")))
+            return relax.op.reshape(y2, relax.ShapeExpr([s, n, 1] if side == 0 else [s, 1, n]))
+        return None
+
+    def _bound(self, expr):
+        """The value a dataflow variable is bound to (the expression itself otherwise)."""
+        if isinstance(expr, relax.Var):
+            value = self.lookup_binding(expr)
+            return expr if value is None else value
+        return expr
 
     def _kernel(self, kind: str, fmt: QuantFormat, make, *shape) -> tvm.ir.GlobalVar:
         """One PrimFunc per (kind, format, shape), shared by every call site."""
@@ -364,6 +432,26 @@ class _Rewriter(PyExprMutator):
         arrays = [relax.const(a) for a in sparse_outlier_arrays(csr)]
         return self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([x2, *arrays]),
                                                     relax.TensorType([rows, qt.n], "float32")))
+
+
+def _expert_ids(gathered):
+    """The expert ids [S] (or GatherND's [S, 1]) of ``take(W, ids, axis=0)`` or
+    ``gather_nd(W, ids[S, 1])`` (as torch.onnx's dynamo exporter writes the same gather), else None."""
+    if not isinstance(gathered, relax.Call) or gathered.op not in (TAKE, GATHER_ND):
+        return None
+    ids = gathered.args[1]
+    if not isinstance(ids.ty, relax.TensorType) or str(ids.ty.dtype) not in ("int32", "int64") or ids.ty.shape is None:
+        return None
+    if gathered.op == TAKE and gathered.attrs.axis is not None and int(gathered.attrs.axis) == 0 and ids.ty.ndim == 1:
+        return ids
+    if gathered.op == GATHER_ND and int(gathered.attrs.batch_dims) == 0 and ids.ty.ndim == 2 \
+            and _is_int(ids.ty.shape.values[1], 1):
+        return ids
+    return None
+
+
+def _is_int(dim, value: int) -> bool:
+    return isinstance(dim, tvm.tirx.IntImm) and int(dim.value) == value
 
 
 ACTIVATIONS = ("fp32", "int8", "fp16", "fp16-acc16")

@@ -53,6 +53,8 @@ class KernelFacts:
         per weight group, so ``int8_rounding`` does not depend on which.
     f16_accumulate: fp16 ``--act`` mode -> the dtype its decode GEMV sums each lane's chunk in
         (CUDA's ``fp16`` sums chunks in fp16; OpenCL's ``fp16`` in fp32, ``fp16-acc16`` in fp16).
+    routed_experts: whether a mixture of experts' routed matmul (``take(W[E], ids) @ x``) runs the
+        packed ``qtvm.ops.qmatmul_experts_func`` (else its experts stay float).
     f16_gemm: whether a matmul with fp16 activations (``f16_activations``) runs prefill on the
         fp16-operand GEMM (``qtvm.ops_gemm.qmatmul_gemm_f16_func``: CUDA tensor cores, fp32
         sums) instead of the exact fp32 one.
@@ -75,6 +77,7 @@ class KernelFacts:
     bcq_a8_gemv: Callable = lambda fmt, k: False  # noqa: E731
     f16_accumulate: dict = field(default_factory=lambda: {"fp16": "float16"})
     f16_gemm: bool = False
+    routed_experts: bool = False
 
     def int8_rounding(self, fmt, k: int) -> "ActRounding | None":
         """How ``--act int8`` rounds a matmul's activations on this target: the pass builds

@@ -37,13 +37,13 @@ def facts(target: tvm.target.Target):
                        row_tile=ROW_TILE, int8_activations=bool(dot_isa(target)), activations=("fp32", "int8"),
                        lut16_gemv=lambda fmt, k: prefer_lut16(fmt, k, target),
                        lut16_a8_gemv=lambda fmt, k: prefer_lut16_a8(fmt, k, target),
-                       bcq_a8_gemv=lambda fmt, k: prefer_bcq_a8(fmt, k, target))
+                       bcq_a8_gemv=lambda fmt, k: prefer_bcq_a8(fmt, k, target), routed_experts=True)
 
 
 def rules() -> list:
     from schedules import x86_bcq, x86_dense, x86_gemm, x86_lut
 
-    return [schedule_qmatmul_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
+    return [schedule_qmatmul_x86, schedule_qmatmul_experts_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
             schedule_quantize_activations_x86, schedule_sparse_outliers_x86, x86_gemm.schedule_qmatmul_gemm_x86,
             x86_lut.schedule_lut_gemv_x86, x86_dense.schedule_dense_x86, x86_lut.schedule_lut16_gemv_x86,
             x86_lut.schedule_lut16_a8_gemv_x86, x86_bcq.schedule_bcq_a8_gemv_x86]
@@ -72,18 +72,33 @@ def schedule_qmatmul_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target, *, 
     return sch
 
 
-def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True, scope: str = "local"):
+def schedule_qmatmul_experts_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """A mixture of experts' routed matmul: each row is a GEMV by its own expert's weight, so the
+    hand GEMV schedule with the rows outside its parallel column loop (``rows_outer``)."""
+    if not applies(func, target) or func.attrs[ops.KERNEL_ATTR] != "qmatmul_experts":
+        return None
+    sch = s_tir.Schedule(func)
+    apply_qmatmul_x86(sch, func.attrs[ops.FORMAT_ATTR])
+    return sch
+
+
+def tile_columns_then_groups(sch: s_tir.Schedule, desc, tile: int, parallel: bool = True, scope: str = "local",
+                             rows_outer: bool = False):
     """The common skeleton of the x86 rules: parallel over column tiles of the output,
     then per row a register accumulator over the tile, fed group by group.
     ``scope`` "global" keeps a small accumulator on the stack (LLVM registers); "local"
-    makes it a TVMBackendAllocWorkspace buffer. Returns (acc_group_loop, acc_column_loop)."""
+    makes it a TVMBackendAllocWorkspace buffer. ``rows_outer``: rows in turn, each parallel
+    over its column tiles, for rows that each read weights of their own (routed experts): the
+    threads then stream one matrix's blocks in order, not one block of each row's matrix in
+    turn (one parallel launch per row). Returns (acc_group_loop, acc_column_loop)."""
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     i, j = sch.get_loops(out)
     jo, ji = sch.split(j, [None, tile])
-    sch.reorder(jo, i, ji)
+    if not rows_outer:
+        sch.reorder(jo, i, ji)
     if parallel:
         sch.parallel(jo)
-    sch.compute_at(acc, i)
+    sch.compute_at(acc, jo if rows_outer else i)
     if scope != "global":
         sch.set_scope(acc, 0, scope)
     if int(desc["padded_k"]) == int(desc["group"]):
@@ -105,7 +120,7 @@ def apply_qmatmul_x86(sch: s_tir.Schedule, desc, *, tile_cols=None, unroll=None,
     unroll = _unpack_unroll(desc) if unroll is None else unroll
     out, acc = sch.get_sblock(ops.BLOCK_OUT), sch.get_sblock(ops.BLOCK_ACC)
     parts = [sch.get_sblock(ops.partial_block(t)) for t in range(int(desc["terms"]))]
-    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb, parallel)
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, nb, parallel, rows_outer="experts" in desc)
     for part in parts:
         sch.compute_at(part, acc_g)
         if local_partials:

@@ -132,3 +132,26 @@ def test_unsupported_formats_keep_fp32_activations():
     assert ops.supports_int8_activations(get_format("int3-g128"), 1000)  # re-laid in byte planes
     assert not ops.supports_int8_activations(get_format("int8-g128"), 1000)
     assert not ops.supports_int8_activations(get_format("int4-g16"), 1000)
+
+
+@pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int3-g64", 300, 70), ("int2-g32", 128, 1),
+                                        ("int8-g32", 256, 65), ("e0m4-g32", 200, 70), ("bcq3-g128", 300, 70),
+                                        ("int4-g32-f16-qz", 200, 64)])
+def test_qmatmul_experts_multiplies_each_row_by_its_expert(preset, k, n):
+    """A mixture of experts' routed matmul: row i by expert ids[i]'s weight, every format family,
+    M = 1 and more rows than experts, K off the group, N off the column block; a negative id
+    counts from the end (ONNX Gather's), as numpy's indexing does."""
+    import tvm
+
+    fmt, experts = get_format(preset), 3
+    rng = np.random.default_rng(k + n)
+    tensors = [fmt.quantize(rng.standard_normal((k, n)).astype(np.float32)) for _ in range(experts)]
+    lib = build(ops.qmatmul_experts_func(fmt, k, n, NB, experts), AVX2)
+    weights = [tvm.runtime.tensor(a) for a in ops.expert_arrays(tensors, NB)]
+    for m in (1, 7):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ids = rng.integers(-experts, experts, m).astype(np.int64)
+        want = np.stack([x[i].astype(np.float64) @ tensors[ids[i]].dequantize() for i in range(m)])
+        y = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(ids), *weights, y)
+        assert rel_err(y.numpy(), want) < 1e-5, m

@@ -26,6 +26,7 @@ class OnnxSummary:
 
     weight_matmuls: list[str] = field(default_factory=list)  # B is a constant initializer
     float_matmuls: list[str] = field(default_factory=list)  # B is computed at run time
+    routed_matmuls: list[str] = field(default_factory=list)  # of those, experts gathered by id (``routed_sources``)
     inputs: list[tuple[str, str, list]] = field(default_factory=list)  # name, dtype, dims
     outputs: list[tuple[str, str, list]] = field(default_factory=list)
 
@@ -344,6 +345,44 @@ def weight_sources(model: onnx.ModelProto, scopes: list | None = None) -> list[W
     return out
 
 
+@dataclass
+class RoutedSource:
+    """A mixture of experts' routed matmul as transformers' batched experts export it:
+    MatMul(Gather(W, ids, axis=0), x) (``side`` 0: each W[e] stored [N, K]) or MatMul(x,
+    Gather(W, ids)) (``side`` 1: [K, N]), W a 3-D float32 initializer named ``name`` (GatherND
+    by ids [S, 1] where torch.onnx's dynamo exporter writes it). The
+    pass packs these where the target has the kernel (``relay_passes.quantize_weights``, which
+    also checks x's shape), and ``qtvm check``'s reference dequantizes them then."""
+
+    node: onnx.NodeProto
+    gather: onnx.NodeProto
+    name: str
+    tensor: onnx.TensorProto
+    side: int
+
+
+def routed_sources(model: onnx.ModelProto) -> list[RoutedSource]:
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    out = []
+    for node in graph.node:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        for side in (0, 1):
+            gather = producer.get(node.input[side])
+            along_experts = gather is not None and (
+                gather.op_type == "Gather" and not any(a.name == "axis" and a.i for a in gather.attribute)
+                or gather.op_type == "GatherND" and not any(a.name == "batch_dims" and a.i for a in gather.attribute))
+            if not along_experts:
+                continue
+            tensor = inits.get(gather.input[0])
+            if tensor is not None and len(tensor.dims) == 3 and tensor.data_type == onnx.TensorProto.FLOAT:
+                out.append(RoutedSource(node, gather, tensor.name, tensor, side))
+                break
+    return out
+
+
 def summarize(model: onnx.ModelProto) -> OnnxSummary:
     scopes = list(graph_scopes(model.graph))
     constant = {(id(w.graph), w.index) for w in weight_sources(model, scopes)}
@@ -353,6 +392,7 @@ def summarize(model: onnx.ModelProto) -> OnnxSummary:
             if node.op_type in WEIGHT_OPS and node.domain in ("", "ai.onnx"):
                 name = node.name or f"{node.op_type}_{i}"
                 (s.weight_matmuls if (id(graph), i) in constant else s.float_matmuls).append(name)
+    s.routed_matmuls = [src.node.name for src in routed_sources(model)]
     inits = {t.name for t in model.graph.initializer}
     to_str = onnx.helper.tensor_dtype_to_np_dtype
     graph_inputs = [v for v in model.graph.input if v.name not in inits]
