@@ -178,7 +178,20 @@ def constant_of_shape(imp, node, attrs):
         return None
     fill = onnx.numpy_helper.to_array(attrs["value"]).reshape(-1) if "value" in attrs else np.zeros(1, np.float32)
     dtype = str(fill.dtype)
-    return relax.op.full(_shape_expr(imp, shape.ints()), relax.const(fill[0], dtype), dtype)
+    value, target = relax.const(fill[0], dtype), _shape_expr(imp, shape.ints())
+    if fill.dtype.kind == "f" and not np.isfinite(fill[0]):  # TVM's full fails on them (reads its dtype as a str)
+        return relax.op.broadcast_to(value, target)
+    return relax.op.full(target, value, dtype)
+
+
+@converter("TopK")
+def top_k(imp, node, attrs):
+    """``sorted=0`` leaves the order of the k values to the implementation (ONNX); TVM's
+    converter refuses it, so it gets sorted=1, one valid order (GLM-4-MoE's and DeepSeek-V3's
+    group-limited routers pick groups so; what they do with the picks does not depend on it)."""
+    if attrs.get("sorted", 1) == 0:
+        return imp.tvm_convert(node, {**attrs, "sorted": 1})
+    return None
 
 
 @converter("Range")

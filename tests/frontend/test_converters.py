@@ -550,3 +550,28 @@ def test_integer_division_of_a_length_relates_to_a_window_s_output(tmp_path):
     for batch, seq in ((1, 10), (2, 37), (3, 400)):
         x = {"x": np.random.default_rng(seq).standard_normal((batch, 2, seq)).astype(np.float32)}
         np.testing.assert_allclose(module.run(x)["y"], session.run(None, x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_constant_of_shape_filled_with_minus_infinity(tmp_path):
+    """A mask of -inf to a computed shape (PhiMoE's dynamo export): TVM's legalization of
+    ``full`` crashed on a non-finite fill (it reads the dtype as a string)."""
+    nodes = _seq_of() + [helper.make_node("ConstantOfShape", ["s"], ["m"],
+                                          value=numpy_helper.from_array(np.array([-np.inf], np.float32))),
+                         helper.make_node("Max", ["x", "m"], ["y"])]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y")]))
+    _check(module, session, _floats)
+
+
+def test_top_k_unsorted_is_run_sorted(tmp_path):
+    """TopK sorted=0 (a group-limited MoE router picks groups so): ONNX leaves the order to the
+    implementation, TVM's converter refused it; sorted is one valid order, and the set of
+    values and indices is onnxruntime's."""
+    nodes = [_const("k", [3]), helper.make_node("TopK", ["x", "k"], ["v", "i"], sorted=0)]
+    model = _model(nodes, [_x()], [_x("v", ("batch", 3)), _x("i", ("batch", 3), TensorProto.INT64)])
+    module, _, session = _compile(tmp_path, model)
+    for seq in (3, 8, 67):
+        x = _floats(seq)
+        got, (v, i) = module.run(x), session.run(None, x)
+        np.testing.assert_array_equal(np.sort(got["v"], axis=1), np.sort(v, axis=1))
+        np.testing.assert_array_equal(np.sort(got["i"], axis=1), np.sort(i, axis=1))
+        assert (np.diff(got["v"], axis=1) <= 0).all()  # largest first

@@ -94,17 +94,20 @@ def test_audio_encoder_matches_onnxruntime(hf_model, hf_compiled, exporter, quan
         runtime.load(result.path).run({"input_values": np.zeros((1, 19), np.float32)})
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
-def test_mixture_of_experts_weights_are_packed(hf_model, hf_compiled, exporter):
-    """Mixtral's experts (transformers' batched experts: a Gather of the stacked expert weights by
-    the routed ids, GatherND from dynamo, then a batched matmul) are packed per expert and run
-    by the routed kernel; they were left float, most of an MoE's bytes."""
-    result = hf_compiled("mixtral", exporter, "int4-g32")
-    assert result.metadata["routed_experts"] == 4  # gate-up and down projections of 2 layers
+@pytest.mark.parametrize("family,exporter,routed,shapes", [
+    ("mixtral", "legacy", 4, [(64, 192, 2), (96, 64, 2)]), ("mixtral", "dynamo", 4, [(64, 192, 2), (96, 64, 2)]),
+    ("glm4_moe", "dynamo", 2, [(48, 64, 1), (64, 96, 1)]), ("phimoe", "dynamo", 4, [(64, 192, 2), (96, 64, 2)])])
+def test_mixture_of_experts_weights_are_packed(hf_model, hf_compiled, family, exporter, routed, shapes):
+    """MoE experts (transformers' batched experts: a Gather of the stacked expert weights by the
+    routed ids, GatherND from dynamo, then a batched matmul) are packed per expert and run by the
+    routed kernel; they were left float, most of an MoE's bytes. GLM-4-MoE's router takes a TopK
+    with sorted=0 and PhiMoE's dynamo export a ConstantOfShape of -inf: both failed to compile."""
+    result = hf_compiled(family, exporter, "int4-g32")
+    assert result.metadata["routed_experts"] == routed  # gate-up and down projections of the MoE layers
     assert sorted((row["k"], row["n"], row["count"]) for row in result.metadata["layers"] if row.get("experts") == 4) \
-        == [(64, 192, 2), (96, 64, 2)]
+        == shapes
     assert not any("experts" in note for note in result.notes if note.startswith("left in float"))
-    _compare(result, hf_model("mixtral", exporter), "int4-g32", [(b, s, 0) for b, s in LENGTHS + [(3, 5)]], 1e-3)
+    _compare(result, hf_model(family, exporter), "int4-g32", [(b, s, 0) for b, s in LENGTHS + [(3, 5)]], 1e-3)
 
 
 @pytest.mark.parametrize("family,exporter", sorted(NEWER_FAMILIES.items()))

@@ -41,7 +41,7 @@ MORE_FAMILIES = ("bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "roberta",
 NEWER_FAMILIES = {"gemma2": "dynamo", "gemma3": "legacy", "qwen3": "dynamo", "phi3": "legacy", "smollm3": "dynamo",
                   "olmo2": "legacy", "granite": "dynamo", "starcoder2": "legacy", "phi": "dynamo"}
 DECODERS = ("llama", "qwen2", "gpt2", "bloom", "opt", "gpt_neox", "falcon", "gpt_bigcode", "mpt", "xglm", "gpt_neo",
-            "mixtral", *NEWER_FAMILIES)
+            "mixtral", "glm4_moe", "phimoe", *NEWER_FAMILIES)
 #: audio encoders: input_values [batch, seq] (float samples), no mask
 AUDIO = ("wav2vec2",)
 EXPORTERS = ("legacy", "dynamo")
@@ -110,6 +110,15 @@ def build(family: str):
         model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                                                        experts_implementation="batched_mm", num_key_value_heads=2,
                                                        **small))
+    elif family == "glm4_moe":  # a dense first layer, then a shared expert and a group-limited router (TopK sorted=0)
+        model = tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=48,
+                                                       first_k_dense_replace=1, head_dim=16, num_experts_per_tok=2,
+                                                       experts_implementation="batched_mm", num_key_value_heads=2,
+                                                       **small))
+    elif family == "phimoe":  # its dynamo export fills a mask with -inf to a computed shape
+        model = tf.PhimoeForCausalLM(tf.PhimoeConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                     experts_implementation="batched_mm", num_key_value_heads=2,
+                                                     **small))
     elif family == "wav2vec2":  # audio samples through two strided convs: frames = seq // 10 - 1, seq >= 20
         model = tf.Wav2Vec2Model(tf.Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                    intermediate_size=96, conv_dim=(16, 16), conv_stride=(5, 2),
