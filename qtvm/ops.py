@@ -116,14 +116,16 @@ def qmatmul_func(fmt: QuantFormat, k: int, n: int, nb: int, chunk: int | None = 
     return func.with_attrs({KERNEL_ATTR: "qmatmul", FORMAT_ATTR: desc})
 
 
-def qmatmul_experts_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int) -> tvm.tirx.PrimFunc:
+def qmatmul_experts_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int,
+                         chunk: int | None = None) -> tvm.tirx.PrimFunc:
     """PrimFunc(x[m, k], ids[m], *blocked arrays of every expert, y[m, n]): row i multiplied
     by expert ids[i]'s weight (a mixture of experts' routed matmul, ``take(W[E], ids) @ x``
     as the exporters write it). Each stored array gains a leading expert axis
     ([E, ceil(N / nb), rows, nb], ``expert_arrays``); the stages and block names are
     ``qmatmul_func``'s, so its schedules apply (x86: ``schedule_qmatmul_experts_x86``). An id is read modulo E (ONNX Gather's
-    negative ids; a wrong id reads a wrong expert, never out of bounds)."""
-    m, kp, gs, ch, dims, x, _, _ = _chunked_inputs(fmt, k, n, nb, None)
+    negative ids; a wrong id reads a wrong expert, never out of bounds). ``chunk``: as
+    ``qmatmul_func``'s (GPU lanes)."""
+    m, kp, gs, ch, dims, x, _, _ = _chunked_inputs(fmt, k, n, nb, chunk)
     ids = te.placeholder((m,), "int64", name="ids")
     stored = {name: te.placeholder((experts, dims[1], rows, nb), fmt.array_dtype(name), name=name)
               for name, rows in fmt.array_rows(k).items()}
@@ -135,6 +137,8 @@ def qmatmul_experts_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int
     y, terms = _grouped_stages(fmt, k, n, nb, m, kp, ch, dims, x, at_row_column)
     func = te.create_prim_func([x, ids, *stored.values(), y])
     desc = dict(fmt.describe(), k=k, n=n, col_block=nb, padded_k=kp, group=gs, terms=terms, experts=experts)
+    if chunk is not None:
+        desc["chunk"] = ch
     return func.with_attrs({KERNEL_ATTR: "qmatmul_experts", FORMAT_ATTR: desc})
 
 

@@ -246,16 +246,21 @@ class _Rewriter(PyExprMutator):
             self.report.layers.append(QuantizedMatmul(k, n, self.fmt, sum(t.nbytes for t in tensors),
                                                       tensor_nbytes(weight.value), experts))
             self.report.routed += 1
-            fmt, nb = self.fmt, self.facts.col_block
-            kernel = self._kernel("qmatmul_experts", fmt, lambda: ops.qmatmul_experts_func(fmt, k, n, nb, experts),
-                                  k, n, experts)
+            fmt, nb, options = self.fmt, self.facts.col_block, self.facts.gemv_options(self.fmt, k)
+            if n % self.facts.col_pad:  # zero columns up to the target's column tile, sliced off after
+                tensors = [ops.pad_columns(t, self.facts.col_pad) for t in tensors]
+            width = tensors[0].n
+            kernel = self._kernel("qmatmul_experts", fmt, lambda: ops.qmatmul_experts_func(
+                fmt, k, width, nb, experts, **options), k, width, experts)
             x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([s, k])))
             if ids.ty.ndim == 2:  # GatherND's [S, 1]
                 ids = self.builder_.emit(relax.op.reshape(ids, relax.ShapeExpr([s])))
             ids64 = ids if str(ids.ty.dtype) == "int64" else self.builder_.emit(relax.op.astype(ids, "int64"))
             weights = [relax.const(a) for a in ops.expert_arrays(tensors, nb)]
             y2 = self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([x2, ids64, *weights]),
-                                                      relax.TensorType([s, n], "float32")))
+                                                      relax.TensorType([s, width], "float32")))
+            if width != n:
+                y2 = self.builder_.emit(relax.op.strided_slice(y2, axes=[1], begin=[0], end=[n]))
             return relax.op.reshape(y2, relax.ShapeExpr([s, n, 1] if side == 0 else [s, 1, n]))
         return None
 

@@ -139,7 +139,7 @@ def facts(target: tvm.target.Target):
                        int8_activations=False, activations=("fp32", "fp16"), f16_gemm=tensor_cores(target),
                        gemv_options=lambda fmt, k: {"chunk": target_chunk(target, fmt, k)}, col_pad=COL_PAD,
                        f16_activations=lambda fmt, k: f16_activations(fmt, k, target_chunk(target, fmt, k)),
-                       decode_kernel=bcq,
+                       decode_kernel=bcq, routed_experts=True,
                        parts_options={"second_order": True})
 
 

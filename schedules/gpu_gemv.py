@@ -74,8 +74,9 @@ def x_vector(desc, x_bytes: int) -> int:
 
 def gemv_format(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     """The format description of a decode kernel this GEMV layout serves (the fp32 "qmatmul"
-    and fp16 "qmatmul_f16" computes, one column per stored block), else None."""
-    if not (gpu.applies(func, target, "qmatmul") or gpu.applies(func, target, "qmatmul_f16")):
+    and fp16 "qmatmul_f16" computes, and "qmatmul_experts", whose block row per activation row
+    reads that row's expert; one column per stored block), else None."""
+    if not any(gpu.applies(func, target, kind) for kind in ("qmatmul", "qmatmul_f16", "qmatmul_experts")):
         return None
     desc = func.attrs[ops.FORMAT_ATTR]
     return desc if int(desc["col_block"]) == 1 else None  # lanes walk each column's contiguous K run

@@ -230,11 +230,28 @@ def test_routed_experts_are_packed_and_match_onnxruntime(preset):
         assert np.abs(y - want).max() / np.abs(want).max() < 1e-5, rows
 
 
-@pytest.mark.parametrize("preset,target", [("mixed-2-4-16", "llvm -mcpu=znver3"), ("int4-g32", "cuda -arch=sm_80")])
-def test_routed_experts_stay_float_where_there_is_no_kernel(preset, target):
-    """A composite format (its row ranking is per matrix) and targets without the kernel leave
-    the experts float, counted as float matmuls."""
-    from qtvm.target import parse_target
-
-    _, report = quantize_weights(import_onnx(moe_model()), get_format(preset), parse_target(target))
+def test_routed_experts_stay_float_in_a_composite_format():
+    """Mixed precision ranks rows per matrix (a kernel of its own per part): the experts stay
+    float, counted as float matmuls."""
+    _, report = quantize_weights(import_onnx(moe_model()), get_format("mixed-2-4-16"), TARGET)
     assert report.routed == 0 and report.float_matmuls == 2 and not report.layers
+
+
+@pytest.mark.parametrize("target", ["cuda -arch=sm_80", "opencl -device=mali"])
+def test_routed_experts_on_a_gpu_run_the_gpu_layout_on_padded_columns(target):
+    """GPU targets: one column a stored block, N padded to the column tile and sliced after,
+    the lane chunk of the target's GEMV; the scheduled kernel is tested on PoCL
+    (tests/schedules/test_gpu_gemv.py)."""
+    from qtvm.target import parse_target
+    from schedules import facts
+
+    tgt = parse_target(target)
+    mod, report = quantize_weights(import_onnx(moe_model()), get_format("int4-g32"), tgt)
+    assert report.routed == 2
+    kernels = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    routed = [f for name, f in kernels.items() if name.startswith("qmatmul_experts")]
+    assert len(routed) == 2
+    for func in routed:
+        desc = func.attrs["qtvm.format"]
+        assert "threadIdx.x" in func.script() and int(desc["col_block"]) == 1
+        assert int(desc["n"]) % facts(tgt).col_pad == 0 and "chunk" in desc

@@ -165,3 +165,30 @@ def test_fp16_activation_error_is_measured():
     exact = x.astype(np.float64) @ qt.dequantize().astype(np.float64)
     err = rel_err(emulate_f16_gemv(x, qt, gpu.lane_chunk(qt.fmt, k)), exact)
     assert 1e-5 < err < 5e-3, err  # fp16-sized, and not exact (the emulation rounds)
+
+
+@needs_opencl
+@pytest.mark.parametrize("preset,k,n", [("int4-g128", 300, 37), ("int3-g128", 1000, 70), ("bcq3-g128", 300, 40),
+                                        ("e0m4-g128", 700, 37), ("int4-g64-f16-qz", 300, 37)])
+def test_routed_experts_gemv_matches_reference_on_opencl(preset, k, n):
+    """A mixture of experts' routed matmul on the same layout (a block row per activation row,
+    so each row's blocks read its own expert): row i by expert ids[i] mod E, negative ids too."""
+    fmt, experts = get_format(preset), 3
+    rng = np.random.default_rng(k + n)
+    tensors = [fmt.quantize(rng.standard_normal((k, n)).astype(np.float32)) for _ in range(experts)]
+    func = scheduled(ops.qmatmul_experts_func(fmt, k, n, 1, experts, **facts(SM80).gemv_options(fmt, k)))
+    arrays = ops.expert_arrays(tensors, 1)
+    for m in (1, 7):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ids = rng.integers(-experts, experts, m).astype(np.int64)
+        want = np.stack([x[i].astype(np.float64) @ tensors[ids[i]].dequantize() for i in range(m)])
+        got = run_on_pocl(func, x, [ids, *arrays], n, half_as_float="-f16" in preset)
+        assert rel_err(got, want) < 1e-5, m
+
+
+@needs_nvcc
+def test_routed_experts_gemv_cuda_fits_without_spills():
+    fmt = get_format("int4-g128")
+    func = scheduled(ops.qmatmul_experts_func(fmt, 2048, 1408, 1, 8, **facts(SM80).gemv_options(fmt, 2048)))
+    for report in check_ptxas({"experts_int4_g128": func}).values():
+        assert report["experts_int4_g128_kernel"].registers <= 128
