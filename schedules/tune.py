@@ -823,6 +823,9 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     report = TuneReport(work_dir=work_dir, trials=trials)
     tasks = _collect(mod, target, report.notes)
     if not tasks:
+        if report.notes:  # packed kernels, none with a tuning space (a mixture of experts' routed matmuls)
+            raise QtvmError(f"none of the module's packed kernels can be tuned ({report.notes[0]})",
+                            "compile without a database: their analytic schedules are what tuning would seed")
         raise QtvmError("the module has no tunable qtvm kernels", "quantize the model (--quant int4-g128)")
     try:
         db = open_database(work_dir, create=True)

@@ -317,6 +317,18 @@ def test_fewer_trials_than_kernels(target, tmp_path):
     assert any(untuned.name in note and "no tuned record" in note for note in notes)
 
 
+def test_a_module_whose_packed_kernels_have_no_tuning_space_says_so(target, tmp_path):
+    """A mixture of experts' routed kernels are packed but not tunable: the error names them,
+    not "quantize the model" (it is quantized)."""
+    from tests.conftest import moe_model
+
+    path = tmp_path / "moe.onnx"
+    onnx.save(moe_model(), str(path))
+    mod, *_ = build_module(path, target, "int4-g32")
+    with pytest.raises(QtvmError, match="none of the module's packed kernels can be tuned .*qmatmul_experts"):
+        tune.tune_kernels(mod, target, tmp_path / "db", 2, progress=False)
+
+
 def test_tune_command_prints_per_kernel_table(small, tmp_path, capsys):
     db_dir = tmp_path / "db"
     args = build_parser().parse_args(["tune", str(small[0]), "--target", "host", "--trials", "2", "--db", str(db_dir),
