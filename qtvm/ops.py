@@ -122,9 +122,9 @@ def qmatmul_experts_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int
     by expert ids[i]'s weight (a mixture of experts' routed matmul, ``take(W[E], ids) @ x``
     as the exporters write it). Each stored array gains a leading expert axis
     ([E, ceil(N / nb), rows, nb], ``expert_arrays``); the stages and block names are
-    ``qmatmul_func``'s, so its schedules apply (x86: ``schedule_qmatmul_experts_x86``). An id is read modulo E (ONNX Gather's
-    negative ids; a wrong id reads a wrong expert, never out of bounds). ``chunk``: as
-    ``qmatmul_func``'s (GPU lanes)."""
+    ``qmatmul_func``'s, so its schedules apply (x86: ``schedule_qmatmul_experts_x86``). An id
+    is read modulo E (ONNX Gather's negative ids; a wrong id reads a wrong expert, never out of
+    bounds). ``chunk``: as ``qmatmul_func``'s (GPU lanes)."""
     m, kp, gs, ch, dims, x, _, _ = _chunked_inputs(fmt, k, n, nb, chunk)
     ids = te.placeholder((m,), "int64", name="ids")
     stored = {name: te.placeholder((experts, dims[1], rows, nb), fmt.array_dtype(name), name=name)
@@ -154,8 +154,7 @@ def _grouped_stages(fmt: QuantFormat, k: int, n: int, nb: int, m, kp: int, ch: i
     Returns (y, number of decode terms)."""
     nchunks, nblk, per_group = dims
     xk = padded_reader(x, k, kp)
-    zero = tirx.const(0, "int32")
-    num_terms = len(fmt.te_decode_terms(at_row_column(zero, zero), zero))
+    num_terms = decode_term_count(fmt, lambda j: at_row_column(tirx.const(0, "int32"), j))
 
     def partial(t):
         r = te.reduce_axis((0, ch), name="kk")

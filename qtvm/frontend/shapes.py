@@ -44,7 +44,7 @@ class Symbols:
         self.pins = dict(pins or {})  # dim names read as constants (``importer.PinDims``)
         self.vars: dict[str, tirx.Var] = {}
         self.limits: dict[str, int] = {}  # symbol or dim expression -> largest value the model accepts
-        self.minimums: dict[str, int] = {}  # symbol -> smallest value the model accepts (above ``minimum``)
+        self.minimums: dict[str, int] = {}  # symbol -> smallest value the model accepts (``at_least``)
         self._constraints: list = []  # entered analyzer constraint scopes (``limit`` of an expression)
         self.analyzer = Analyzer()
 
