@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -107,14 +108,22 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--json", type=Path, default=Path("out/bench_moe_experts.json"))
     a = ap.parse_args(argv)
+    if a.quant == "none":
+        ap.error("--quant names the packed format to compare with the float experts (e.g. int4-g128)")
+    print(f"{harness.cpu_named()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
+          f"{100 * harness.cpu_busy_fraction(1.0):.0f}%", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="qtvm_moe_"))
+    try:
+        return _run(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the model and artefacts (GBs at the default sizes)
 
+
+def _run(a, work: Path) -> int:
     import onnx
 
     from qtvm.pipeline import compile_model
 
-    print(f"{harness.cpu_named()}; L3 {bandwidth.l3_cache_bytes() >> 20} MiB; CPU busy before start "
-          f"{100 * harness.cpu_busy_fraction(1.0):.0f}%", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="qtvm_moe_"))
     model = work / "moe.onnx"
     onnx.save(moe_stack(a.k, a.n, a.experts, a.layers), str(model), save_as_external_data=True,
               location="moe.weights")
