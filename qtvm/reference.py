@@ -129,7 +129,7 @@ def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat) -> None:
             deq = []
             for e in range(w.shape[0]):
                 kn = np.ascontiguousarray(w[e].T if src.side == 0 else w[e])
-                d = fmt.quantize(kn).dequantize()[:kn.shape[0], :kn.shape[1]]
+                d = fmt.quantize(kn).dequantize()
                 deq.append(d.T if src.side == 0 else d)
             stored = numpy_helper.from_array(np.ascontiguousarray(np.stack(deq)).astype(np.float32))
             made[src.name] = stored.name = f"{src.name}.qtvm_dequantized_experts"

@@ -156,14 +156,20 @@ QUANTIZE_BLOCK_BYTES = 16 << 20
 
 
 def quantize_source(fmt: QuantFormat, source) -> QuantizedTensor:
-    """``fmt.quantize`` of a ``_weight_source``, a block of columns at a time where the format
-    allows it (``columns_independent``: the arrays of [W1 | W2] are those of W1 and W2 side by
-    side, tested for every such preset)."""
-    k, n = weight_rows(source), weight_columns(source)
+    """``fmt.quantize`` of a ``_weight_source`` (``quantize_columns``)."""
+    return quantize_columns(fmt, weight_rows(source), weight_columns(source),
+                            lambda lo, hi: read_weight(source, lo, hi))
+
+
+def quantize_columns(fmt: QuantFormat, k: int, n: int, read) -> QuantizedTensor:
+    """``fmt.quantize`` of a [K, N] weight, ``read(lo, hi)`` giving its columns [lo, hi) as a
+    float32 array of their own, a block of columns at a time where the format allows it
+    (``columns_independent``: the arrays of [W1 | W2] are those of W1 and W2 side by side,
+    tested for every such preset)."""
     step = max(64, QUANTIZE_BLOCK_BYTES // (4 * k) // 64 * 64) if fmt.columns_independent else n
     if step >= n:
-        return fmt.quantize(read_weight(source))
-    parts = [fmt.quantize(read_weight(source, lo, min(lo + step, n))).arrays for lo in range(0, n, step)]
+        return fmt.quantize(read(0, n))
+    parts = [fmt.quantize(read(lo, min(lo + step, n))).arrays for lo in range(0, n, step)]
     return QuantizedTensor(fmt, k, n, {name: np.concatenate([p[name] for p in parts], axis=-1) for name in parts[0]})
 
 
@@ -233,8 +239,9 @@ class _Rewriter(PyExprMutator):
                 continue
             stacked = _float_view(weight.value)
 
-            def expert(e):
-                return self.fmt.quantize(np.ascontiguousarray(stacked[e].T if side == 0 else stacked[e]))
+            def expert(e):  # W[e] as [K, N], a block of columns at a time
+                return quantize_columns(self.fmt, k, n, lambda lo, hi: np.ascontiguousarray(
+                    stacked[e, lo:hi].T if side == 0 else stacked[e, :, lo:hi]))
 
             tensors = [expert(0)]
             parts = self.fmt.kernel_parts(tensors[0], **self.facts.parts_options)

@@ -186,6 +186,26 @@ def test_a_weight_quantized_in_column_blocks_is_the_whole_weight_quantized(prese
         np.testing.assert_array_equal(got.arrays[name], want.arrays[name], err_msg=name)
 
 
+def test_experts_are_quantized_in_column_blocks_as_whole_weights(monkeypatch):
+    """Each expert goes through the same column blocks as a dense weight (an expert of Mixtral
+    is 235 MB of float32, and bcq3's quantize holds 15x its input): the packed module computes
+    what onnxruntime computes on each expert quantized whole."""
+    import relay_passes.quantize_weights as qw
+
+    monkeypatch.setattr(qw, "QUANTIZE_BLOCK_BYTES", 4 * 200 * 64)  # K 200: 64-column blocks
+    model = moe_model()
+    mod, report = quantize_weights(import_onnx(model), get_format("int4-g32"), TARGET)
+    assert report.routed == 2
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    session = ort.InferenceSession(dequantized_model(model, get_format("int4-g32"), experts=True).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(5).standard_normal((4, 200)).astype(np.float32)
+    ids = np.array([0, 2, 1, 2], np.int64)
+    want = session.run(None, {"x": x, "ids": ids})[0]
+    y = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(ids)).numpy()
+    assert np.abs(y - want).max() / np.abs(want).max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_weights_are_read_as_float32(dtype):
     """A half precision model's matmul takes its weight through astype to float32
