@@ -498,10 +498,11 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
     (``qtvm.progress``: none under ``qtvm -q``). ``history`` keeps (trials done, best
     latency so far) after each batch: the convergence curve."""
 
-    def __init__(self, names: list[str], total: int, enabled: bool, done: int = 0) -> None:
+    def __init__(self, names: list[str], total: int, enabled: bool, done: int = 0,
+                 interrupt: "_InterruptFlag | None" = None) -> None:
         from qtvm import progress
 
-        self.names, self.total, self.enabled = names, total, enabled
+        self.names, self.total, self.enabled, self.interrupt = names, total, enabled, interrupt
         self.done, self.best = done, {}
         self.history: list[tuple[int, dict]] = []
         self.start = time.perf_counter()
@@ -510,6 +511,10 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
             self.bar.update(done)
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+        if self.interrupt is not None and self.interrupt.seen:
+            # A Ctrl-C that landed in code which swallowed it (a worker pool, the cost
+            # model's update): stop at this batch, its records are already committed.
+            raise KeyboardInterrupt
         secs = [min(r.run_secs) for r in runner_results if r.error_msg is None and r.run_secs]
         self.done += len(measure_candidates)
         name = self.names[task_id]
@@ -852,15 +857,20 @@ def tune_kernels(mod: tvm.IRModule, target, work_dir: Path, trials: int, *, prog
     try:
         _seed_analytic([t for t in tasks if not _has_analytic(db, t, target)], db, measure_target, builder, runner,
                        report.notes)
-        tracker = _Progress([task.names[0] for task in tasks], trials, progress, done=trials - max(0, remaining))
+        tracker = _Progress([task.names[0] for task in tasks], trials, progress, done=trials - max(0, remaining),
+                            interrupt=interrupt)
         if remaining > 0:
             _search(tasks, db, measure_target, builder, runner, tracker, remaining, seed)
+        if interrupt.seen:
+            raise KeyboardInterrupt
         report.measured = tracker.done
         report.history = tracker.history
         if tracker.done < trials:
             report.notes.append(f"the design space ran out of unmeasured schedules after {tracker.done} of "
                                 f"{trials} trials")
         _confirm(tasks, db, measure_target, builder, runner, report)
+        if interrupt.seen:
+            raise KeyboardInterrupt
     except BaseException as e:
         _raise_stopped(e, interrupt.seen, runner, db, tasks, target, work_dir)
         raise

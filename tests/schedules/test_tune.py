@@ -329,6 +329,34 @@ def test_a_module_whose_packed_kernels_have_no_tuning_space_says_so(target, tmp_
         tune.tune_kernels(mod, target, tmp_path / "db", 2, progress=False)
 
 
+def test_a_ctrl_c_swallowed_inside_a_callback_still_stops_tuning(small, target, tmp_path, monkeypatch):
+    """A Ctrl-C that lands in code which catches it (here the cost model's update; in CI a
+    worker pool) must still stop the search at that batch, not let it run to the end and
+    exit 0: the run raises KeyboardInterrupt naming the kept records."""
+    import os
+    import signal
+
+    xgb = tune.ms.cost_model.XGBModel._cls  # the Python class behind the FFI object
+    original = xgb.update
+    calls = []
+
+    def update(self, *args, **kwargs):
+        calls.append(1)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+        except KeyboardInterrupt:
+            pass  # swallowed
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(xgb, "update", update)
+    with pytest.raises(KeyboardInterrupt, match=r"record\(s\) kept .*rerun the same command to resume"):
+        tune.tune_kernels(small[2], target, tmp_path / "db", 24, progress=False, seed=0)
+    assert len(calls) == 1, calls  # stopped after the first batch, not after all three
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_tune_command_prints_per_kernel_table(small, tmp_path, capsys):
     db_dir = tmp_path / "db"
     args = build_parser().parse_args(["tune", str(small[0]), "--target", "host", "--trials", "2", "--db", str(db_dir),
