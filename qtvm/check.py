@@ -49,7 +49,7 @@ HALF_FLIP_JITTERS = (0.25, 1.0, 0.25, 1.0)
 FLIP_FACTOR = 2.0
 INT8_UNMODELLED_TOLERANCE = 1e-1  # against fp32 activations: the rounding itself (MiniLM: 0.04-0.06)
 DEFAULT_DIM_VALUES = (1, 3, 17)
-_DTYPES = {"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
 
 
 @dataclass
@@ -188,6 +188,10 @@ def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, in
             feeds[spec["name"]] = np.ones(shape, dtype)
         elif dtype.startswith(("int", "uint")):
             feeds[spec["name"]] = rng.integers(0, int_high, shape).astype(dtype)
+        elif dtype == "bfloat16":  # numpy has no bfloat16: ml_dtypes' (onnx's own dependency)
+            import ml_dtypes
+
+            feeds[spec["name"]] = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
         else:
             feeds[spec["name"]] = rng.standard_normal(shape).astype(dtype)
     return feeds

@@ -97,7 +97,7 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
                 out.graph.initializer.append(stored)
         src.node.input[1] = made[key]
     if experts:
-        _dequantize_experts(out, fmt)
+        _dequantize_experts(out, fmt, before, after)
     for graph, _ in reversed(scopes):  # a branch before the graph holding it (its nodes are copied)
         if not any(at[0] == id(graph) for at in (*before, *after)):
             continue
@@ -116,14 +116,20 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     return out
 
 
-def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat) -> None:
-    """Each routed matmul's gathered weight replaced by a new initializer: every expert's
-    matrix through ``fmt`` in the [K, N] orientation the kernel packs (W[e].T where the
-    export stores [N, K])."""
+def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat, before: dict, after: dict) -> None:
+    """Each routed matmul's gathered weight replaced by a new float32 initializer: every
+    expert's matrix through ``fmt`` in the [K, N] orientation the kernel packs (W[e].T where
+    the export stores [N, K]); half precision experts' matmuls computed as qtvm does
+    (``_in_float32``)."""
     from qtvm.frontend.onnx import routed_sources
 
     made: dict[str, str] = {}
-    for src in routed_sources(model):
+    for number, src in enumerate(routed_sources(model)):
+        if src.tensor.data_type != onnx.TensorProto.FLOAT:
+            _in_float32(src, f"experts{number}", src.tensor.data_type, before, after, inputs=[1 - src.side])
+            for info in model.graph.value_info:  # the gather now yields float32 (a dynamo export types it)
+                if info.name == src.gather.output[0]:
+                    info.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
         if src.name not in made:
             w = numpy_helper.to_array(src.tensor).astype(np.float32, copy=False)
             deq = []
@@ -142,14 +148,16 @@ def _at(src) -> tuple:
     return id(src.graph), src.index
 
 
-def _in_float32(src, number: int, low: int, before: dict, after: dict) -> None:
+def _in_float32(src, number, low: int, before: dict, after: dict, inputs: list[int] | None = None) -> None:
     """A half precision matmul as qtvm computes it (``relay_passes.fp32_accumulate``): float32
     inputs (the weight becomes a float32 initializer here), a float32 product, cast back.
     ``number``: the source's own, so the names made are unique across the graph's subgraphs;
-    ``low``: the weight's stored type, which the product is cast back to."""
+    ``low``: the weight's stored type, which the product is cast back to; ``inputs``: the
+    node's inputs to cast (default: the activations, and a Gemm's bias)."""
     node = src.node
-    ins = [0, 2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else [0]
-    for i in ins:
+    if inputs is None:
+        inputs = [0, 2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else [0]
+    for i in inputs:
         wide = f"{node.input[i]}.qtvm_float32_{number}"
         before.setdefault(_at(src), []).append(onnx.helper.make_node(
             "Cast", [node.input[i]], [wide], name=wide, to=onnx.TensorProto.FLOAT))

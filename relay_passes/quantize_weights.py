@@ -215,18 +215,24 @@ class _Rewriter(PyExprMutator):
     def _routed_experts(self, call):
         """A mixture of experts' routed matmul as transformers' batched experts export it:
         ``take(W[E, N, K], ids) @ x[S, K, 1]`` or ``x[S, 1, K] @ take(W[E, K, N], ids)``, W a
-        float32 constant, ids [S] (an expert per row). Each expert's [K, N] weight is packed and
-        one ``qmatmul_experts`` kernel multiplies each row by its expert's weight, where the float
+        float32 constant (or float16/bfloat16 gathered, then cast to float32 by fp32_accumulate),
+        ids [S] (an expert per row). Each expert's [K, N] weight is packed and one
+        ``qmatmul_experts`` kernel multiplies each row by its expert's weight, where the float
         graph gathered S copies of whole matrices. None (left in float) for any other form and
         for a composite format (mixed precision ranks rows per matrix)."""
         for side in (0, 1):
             gathered, x = self._bound(call.args[side]), call.args[1 - side]
+            widened = isinstance(gathered, relax.Call) and gathered.op == ASTYPE \
+                and str(gathered.attrs.dtype) == "float32"
+            if widened:  # a half precision model's experts, gathered then read as float32 (fp32_accumulate)
+                gathered = self._bound(gathered.args[0])
             ids = _expert_ids(gathered)
             if ids is None:
                 continue
             weight = self._bound(gathered.args[0])
             if not (isinstance(weight, tvm.ir.expr.Constant) and isinstance(weight.value, tvm.runtime.Tensor)
-                    and len(weight.value.shape) == 3 and str(weight.value.dtype) == "float32"):
+                    and len(weight.value.shape) == 3
+                    and str(weight.value.dtype) in (HALF if widened else ("float32",))):
                 continue
             if not (x.ty.dtype == "float32" and x.ty.ndim == 3 and x.ty.shape is not None):
                 continue
@@ -239,9 +245,9 @@ class _Rewriter(PyExprMutator):
                 continue
             stacked = _float_view(weight.value)
 
-            def expert(e):  # W[e] as [K, N], a block of columns at a time
-                return quantize_columns(self.fmt, k, n, lambda lo, hi: np.ascontiguousarray(
-                    stacked[e, lo:hi].T if side == 0 else stacked[e, :, lo:hi]))
+            def expert(e):  # W[e] as [K, N] float32, a block of columns at a time
+                return quantize_columns(self.fmt, k, n, lambda lo, hi: np.ascontiguousarray(_as_float32(
+                    stacked[e, lo:hi].T if side == 0 else stacked[e, :, lo:hi])))
 
             tensors = [expert(0)]
             parts = self.fmt.kernel_parts(tensors[0], **self.facts.parts_options)

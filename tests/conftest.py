@@ -67,13 +67,15 @@ def save_with_external_data(model: onnx.ModelProto, path, pads: dict[str, int] |
     onnx.save(model, str(path))
 
 
-def moe_model(k: int = 200, n: int = 70, experts: int = 3, seed: int = 0):
+def moe_model(k: int = 200, n: int = 70, experts: int = 3, seed: int = 0, dtype: int = TensorProto.FLOAT):
     """Two routed matmuls as transformers' batched experts export them: Gather(W0[E, N, K], ids)
     @ x[s, K, 1] (the legacy exporter), then y0[s, 1, N] @ GatherND(W1[E, N, K], ids[s, 1])
-    (the dynamo exporter's gather, W1 stored [K, N] per expert); rows s symbolic."""
+    (the dynamo exporter's gather, W1 stored [K, N] per expert); rows s symbolic. ``dtype``:
+    of x, y and the weights (TensorProto.FLOAT16 / BFLOAT16: a half precision export)."""
     rng = np.random.default_rng(seed)
-    w0 = numpy_helper.from_array(rng.standard_normal((experts, n, k)).astype(np.float32), "w0")
-    w1 = numpy_helper.from_array(rng.standard_normal((experts, n, k)).astype(np.float32), "w1")
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    w0 = numpy_helper.from_array(rng.standard_normal((experts, n, k)).astype(np_type), "w0")
+    w1 = numpy_helper.from_array(rng.standard_normal((experts, n, k)).astype(np_type), "w1")
     axes = [numpy_helper.from_array(np.array([a], np.int64), f"axis{a}") for a in (1, 2)]
     nodes = [helper.make_node("Gather", ["w0", "ids"], ["g0"], axis=0),
              helper.make_node("Unsqueeze", ["x", "axis2"], ["x3"]),
@@ -82,9 +84,9 @@ def moe_model(k: int = 200, n: int = 70, experts: int = 3, seed: int = 0):
              helper.make_node("GatherND", ["w1", "ids2"], ["g1"]),
              helper.make_node("Unsqueeze", ["y0", "axis1"], ["y03"]),
              helper.make_node("MatMul", ["y03", "g1"], ["p1"]), helper.make_node("Squeeze", ["p1", "axis1"], ["y"])]
-    graph = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["s", k]),
+    graph = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", dtype, ["s", k]),
                                              helper.make_tensor_value_info("ids", TensorProto.INT64, ["s"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["s", k])], [w0, w1, *axes])
+                              [helper.make_tensor_value_info("y", dtype, ["s", k])], [w0, w1, *axes])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 

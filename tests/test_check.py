@@ -535,3 +535,22 @@ def test_routed_experts_are_dequantized_in_the_reference(tmp_path, act):
     report = check(path, result.path, feeds={"ids": np.array([2, -1, 0], np.int64)})
     assert report.ok, format_report(report)
     assert all(row.err_own < 1e-5 < row.err_vs_float for row in report.rows)
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_half_precision_experts_are_packed_and_checked(tmp_path, dtype):
+    """A half precision export's experts (gathered, then read as float32 by fp32_accumulate)
+    are packed like float32 ones (they stayed float), and the reference computes their matmuls
+    as qtvm does: float32 inputs, the experts dequantized, the product cast back."""
+    from qtvm.pipeline import compile_model
+    from tests.conftest import moe_model
+
+    path, model = tmp_path / "moe.onnx", moe_model(dtype=dtype)
+    # typed as the dynamo exporter types its intermediates (the reference's gather yields float32)
+    model.graph.value_info.append(helper.make_tensor_value_info("g1", dtype, None))
+    onnx.save(model, str(path))
+    result = compile_model(path, tmp_path / "moe.so", "host", "int4-g32")
+    assert result.metadata["routed_experts"] == 2 and result.metadata["quantized_matmuls"] == 2
+    report = check(path, result.path, feeds={"ids": np.array([2, -1, 0], np.int64)})
+    assert report.ok, format_report(report)
+    assert all(row.err_own < row.err_vs_float for row in report.rows)

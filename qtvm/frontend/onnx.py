@@ -349,7 +349,7 @@ def weight_sources(model: onnx.ModelProto, scopes: list | None = None) -> list[W
 class RoutedSource:
     """A mixture of experts' routed matmul as transformers' batched experts export it:
     MatMul(Gather(W, ids, axis=0), x) (``side`` 0: each W[e] stored [N, K]) or MatMul(x,
-    Gather(W, ids)) (``side`` 1: [K, N]), W a 3-D float32 initializer named ``name`` (GatherND
+    Gather(W, ids)) (``side`` 1: [K, N]), W a 3-D float32/float16/bfloat16 initializer named ``name`` (GatherND
     by ids [S, 1] where torch.onnx's dynamo exporter writes it). The
     pass packs these where the target has the kernel (``relay_passes.quantize_weights``, which
     also checks x's shape), and ``qtvm check``'s reference dequantizes them then."""
@@ -359,6 +359,8 @@ class RoutedSource:
     name: str
     tensor: onnx.TensorProto
     side: int
+    graph: onnx.GraphProto
+    index: int  # the matmul's, in ``graph``
 
 
 def routed_sources(model: onnx.ModelProto) -> list[RoutedSource]:
@@ -366,7 +368,7 @@ def routed_sources(model: onnx.ModelProto) -> list[RoutedSource]:
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
     out = []
-    for node in graph.node:
+    for index, node in enumerate(graph.node):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
         for side in (0, 1):
@@ -377,8 +379,8 @@ def routed_sources(model: onnx.ModelProto) -> list[RoutedSource]:
             if not along_experts:
                 continue
             tensor = inits.get(gather.input[0])
-            if tensor is not None and len(tensor.dims) == 3 and tensor.data_type == onnx.TensorProto.FLOAT:
-                out.append(RoutedSource(node, gather, tensor.name, tensor, side))
+            if tensor is not None and len(tensor.dims) == 3 and tensor.data_type in WEIGHT_TYPES:
+                out.append(RoutedSource(node, gather, tensor.name, tensor, side, graph, index))
                 break
     return out
 
