@@ -389,12 +389,12 @@ def summarize(model: onnx.ModelProto) -> OnnxSummary:
     scopes = list(graph_scopes(model.graph))
     constant = {(id(w.graph), w.index) for w in weight_sources(model, scopes)}
     s = OnnxSummary()
+    name = lambda node, i: node.name or f"{node.op_type}_{i}"  # noqa: E731  (unnamed nodes: by position)
     for graph, _ in scopes:
         for i, node in enumerate(graph.node):
             if node.op_type in WEIGHT_OPS and node.domain in ("", "ai.onnx"):
-                name = node.name or f"{node.op_type}_{i}"
-                (s.weight_matmuls if (id(graph), i) in constant else s.float_matmuls).append(name)
-    s.routed_matmuls = [src.node.name for src in routed_sources(model)]
+                (s.weight_matmuls if (id(graph), i) in constant else s.float_matmuls).append(name(node, i))
+    s.routed_matmuls = [name(src.node, src.index) for src in routed_sources(model)]
     inits = {t.name for t in model.graph.initializer}
     to_str = onnx.helper.tensor_dtype_to_np_dtype
     graph_inputs = [v for v in model.graph.input if v.name not in inits]

@@ -6,7 +6,7 @@ import tvm
 
 from qtvm.errors import QtvmError
 from qtvm.frontend.onnx import import_onnx, load_onnx, summarize, unsupported_ops
-from tests.conftest import mlp_model
+from tests.conftest import mlp_model, moe_model
 
 
 def test_summary_splits_constant_and_computed_weights():
@@ -14,6 +14,15 @@ def test_summary_splits_constant_and_computed_weights():
     assert s.weight_matmuls == ["fc1", "fc2"] and s.float_matmuls == ["gram"]
     assert s.inputs == [("x", "float32", ["batch", 100])]
     assert ("gram", "float32", ["batch", "batch"]) in s.outputs
+
+
+def test_routed_matmuls_are_named_as_the_float_ones():
+    """A mixture of experts' routed matmuls are among the computed-weight matmuls, under the
+    same names, unnamed nodes too (by position): the compile output drops exactly those from
+    "left in float" once packed (it listed unnamed ones as float)."""
+    summary = summarize(moe_model())
+    assert summary.routed_matmuls == ["MatMul_2", "MatMul_7"]
+    assert set(summary.routed_matmuls) <= set(summary.float_matmuls)
 
 
 def test_import_keeps_symbolic_batch():
