@@ -1,5 +1,5 @@
 """A stack of mixture-of-experts routed matmuls, decode and prefill: qtvm with the experts
-packed (``qmatmul_experts``), qtvm with them float (what the compiler did before: a gather
+packed (``qmatmul_experts``; with ``--act int8``, ``qmatmul_a8_experts``), qtvm with them float (what the compiler did before: a gather
 of whole expert matrices, then a batched matmul) and onnxruntime on the same ONNX file, in
 one run beside the machine's read bandwidth; one fresh process per thread count.
 
@@ -128,9 +128,11 @@ def _run(a, work: Path) -> int:
     onnx.save(moe_stack(a.k, a.n, a.experts, a.layers), str(model), save_as_external_data=True,
               location="moe.weights")
     artefacts = {}
-    for label, quant in ((f"qtvm {a.quant} experts packed", a.quant), ("qtvm fp32 (experts gathered)", "none")):
+    for label, quant, act in ((f"qtvm {a.quant} experts packed", a.quant, "fp32"),
+                              (f"qtvm {a.quant} packed, int8 act", a.quant, "int8"),
+                              ("qtvm fp32 (experts gathered)", "none", "fp32")):
         start = time.perf_counter()
-        result = compile_model(model, work / f"{quant}.so", "host", quant)
+        result = compile_model(model, work / f"{quant}_{act}.so", "host", quant, activations=act)
         print(f"compiled {label} in {time.perf_counter() - start:.0f} s", flush=True)
         artefacts[label] = str(result.path)
         if quant != "none":
@@ -154,13 +156,13 @@ def _run(a, work: Path) -> int:
                                  "rel_err_vs_ort_fp32": r["rel_err_vs_ort_fp32"]})
     print(f"\n{a.layers} routed matmuls, {a.experts} experts of K {a.k} x N {a.n}, top {a.top}; read bandwidth "
           + ", ".join(f"{t} thread(s) {bw[t]:.1f} GB/s" for t in a.threads))
-    print(f"{'thr':>3} {'tokens':>6} {'rows':>5}  {'engine':<34}{'median ms':>10}{'GB/s':>8}{'%BW':>6}"
+    print(f"{'thr':>3} {'tokens':>6} {'rows':>5}  {'engine':<36}{'median ms':>10}{'GB/s':>8}{'%BW':>6}"
           f"{'x vs ORT':>9}{'err vs ORT':>11}")
     for r in rows_out:
         ort_ms = next(o["median_ms"] for o in rows_out if o["threads"] == r["threads"]
                       and o["tokens"] == r["tokens"] and o["engine"] == "onnxruntime fp32")
         r["speedup_vs_ort"] = ort_ms / r["median_ms"]
-        print(f"{r['threads']:>3} {r['tokens']:>6} {r['rows']:>5}  {r['engine']:<34}{r['median_ms']:>10.2f}"
+        print(f"{r['threads']:>3} {r['tokens']:>6} {r['rows']:>5}  {r['engine']:<36}{r['median_ms']:>10.2f}"
               f"{r['gbps']:>8.1f}{r['pct_of_bw']:>6.0f}{r['speedup_vs_ort']:>9.2f}{r['rel_err_vs_ort_fp32']:>11.1e}")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.json.with_suffix(".tmp")

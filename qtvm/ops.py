@@ -69,14 +69,18 @@ def padded_reader(x: te.Tensor, k: int, kp: int):
     return lambda i, kk: tirx.if_then_else(kk < k, x[i, tirx.min(kk, k - 1)], tirx.const(0.0, "float32"))
 
 
-def weight_inputs(fmt: QuantFormat, k: int, n: int, nb: int):
-    """(stored placeholders by name, at_column(j) -> load(name, row)) for column-blocked weights."""
+def weight_inputs(fmt: QuantFormat, k: int, n: int, nb: int, expert=None, experts: int = 0):
+    """(stored placeholders by name, at_column(j) -> load(name, row)) for column-blocked weights.
+    ``expert`` (a scalar var): the arrays of ``experts`` weights stacked (``expert_arrays``),
+    expert ``expert``'s read."""
     nblk = -(-n // nb)
-    stored = {name: te.placeholder((nblk, rows, nb), fmt.array_dtype(name), name=name)
+    lead = () if expert is None else (experts,)
+    stored = {name: te.placeholder((*lead, nblk, rows, nb), fmt.array_dtype(name), name=name)
               for name, rows in fmt.array_rows(k).items()}
+    pick = () if expert is None else (expert,)
 
     def at_column(j):
-        return lambda name, row: stored[name][j // nb, row, j % nb]
+        return lambda name, row: stored[name][(*pick, j // nb, row, j % nb)]
 
     return stored, at_column
 
@@ -142,9 +146,10 @@ def qmatmul_experts_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int
     return func.with_attrs({KERNEL_ATTR: "qmatmul_experts", FORMAT_ATTR: desc})
 
 
-def expert_arrays(tensors: list[QuantizedTensor], nb: int) -> list[np.ndarray]:
-    """``qmatmul_experts_func``'s weight arguments: each expert's ``blocked_arrays``, stacked."""
-    per_expert = [blocked_arrays(qt, nb) for qt in tensors]
+def expert_arrays(tensors: list[QuantizedTensor], nb: int, int8: bool = False) -> list[np.ndarray]:
+    """``qmatmul_experts_func``'s weight arguments: each expert's ``blocked_arrays``, stacked
+    (``int8``: ``qmatmul_a8_expert_func``'s, each expert's ``a8_arrays``)."""
+    per_expert = [(a8_arrays if int8 else blocked_arrays)(qt, nb) for qt in tensors]
     return [np.stack(parts) for parts in zip(*per_expert)]
 
 
@@ -343,7 +348,6 @@ def _a8_stages(fmt: QuantFormat, k: int, n: int, nb: int, xq, xd, xs, stored, at
     kp, gs = fmt.padded_k(k), fmt.group_size_for(k)
     ngroups, nblk, nact = kp // gs, -(-n // nb), kp // ACT_BLOCK
     acts_per_group = gs // ACT_BLOCK
-    qw = stored["qweight"]  # byte-plane order (``a8_arrays``): ``bits`` words per 32 values
     nr = len(row_shape)
 
     # dot[*rows, b, j]; with a row tile (t, r) stored [t, b, r, j]: rows next to columns,
@@ -358,7 +362,8 @@ def _a8_stages(fmt: QuantFormat, k: int, n: int, nb: int, xq, xd, xs, stored, at
         rows, b, j = (idx[:1] + idx[2:3], idx[1], idx[3]) if tiled else (idx[:nr], idx[nr], idx[nr + 1])
         return te.sum(
             xq[row_of(*rows), b * ACT_BLOCK + rj].astype("int32")
-            * block_code(bits, lambda t: qw[j // nb, b * bits + t, j % nb], rj),
+            # qweight in byte-plane order (``a8_arrays``): ``bits`` words per 32 values
+            * block_code(bits, lambda t: at_column(j)("qweight", b * bits + t), rj),
             axis=rj)
 
     dot = te.compute(dot_index(row_shape, nact, nblk * nb), dot_value, name=BLOCK_DOT)
@@ -401,6 +406,22 @@ def qmatmul_a8_func(fmt: QuantFormat, k: int, n: int, nb: int) -> tvm.tirx.PrimF
     acc = _a8_stages(fmt, k, n, nb, xq, xd, xs, stored, at_column, (m,), lambda i: i)
     y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
     return _a8_func(fmt, k, n, nb, [x, *stored.values()], y, "qmatmul_a8")
+
+
+def qmatmul_a8_expert_func(fmt: QuantFormat, k: int, n: int, nb: int, experts: int) -> tvm.tirx.PrimFunc:
+    """PrimFunc(x, expert, *a8_arrays of ``experts`` weights stacked, y): ``qmatmul_a8_func``
+    by expert ``expert``'s weight, a scalar the x86 rule replaces by each row's routed expert
+    (``schedules.x86.route_rows``): the int8 dot's TensorIntrin matches only a block whose
+    weight index reads no buffer, so the id is bound outside the scheduled blocks."""
+    m = te.var("m", "int64")
+    x = te.placeholder((m, k), "float32", name="x")
+    ids = te.placeholder((m,), "int64", name="ids")  # read once the rule binds ``expert`` to ids[i] mod E
+    expert = te.var("expert", "int64")
+    xq, xd, xs = _quantize_stages(fmt, k, x, m)
+    stored, at_column = weight_inputs(fmt, k, n, nb, expert, experts)
+    acc = _a8_stages(fmt, k, n, nb, xq, xd, xs, stored, at_column, (m,), lambda i: i)
+    y = te.compute((m, n), lambda i, j: acc[i, j], name=BLOCK_OUT)
+    return _a8_func(fmt, k, n, nb, [x, ids, expert, *stored.values()], y, "qmatmul_a8_experts", experts=experts)
 
 
 def qmatmul_a8_gemm_func(fmt: QuantFormat, k: int, n: int, nb: int, row_tile: int) -> tvm.tirx.PrimFunc:

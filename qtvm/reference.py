@@ -41,7 +41,7 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     report's, e.g. GPTQ's); the other weights go through ``fmt``.
     ``experts``: the mixture-of-experts weights the routed matmuls gather (``routed_sources``)
     go through ``fmt`` too, each expert's matrix on its own (an artefact whose target packed
-    them: metadata ``routed_experts``); their inputs are never rounded (fp32 kernel).
+    them: metadata ``routed_experts``), their inputs rounded as ``int8_facts`` says.
     """
     from qtvm.frontend.onnx import graph_scopes, weight_sources
 
@@ -97,7 +97,7 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
                 out.graph.initializer.append(stored)
         src.node.input[1] = made[key]
     if experts:
-        _dequantize_experts(out, fmt, before, after)
+        _dequantize_experts(out, fmt, before, after, rounder, int8_facts)
     for graph, _ in reversed(scopes):  # a branch before the graph holding it (its nodes are copied)
         if not any(at[0] == id(graph) for at in (*before, *after)):
             continue
@@ -116,11 +116,13 @@ def dequantized_model(model: onnx.ModelProto, fmt: QuantFormat, int8_facts=None,
     return out
 
 
-def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat, before: dict, after: dict) -> None:
+def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat, before: dict, after: dict,
+                        rounder: "_Rounder | None", int8_facts) -> None:
     """Each routed matmul's gathered weight replaced by a new float32 initializer: every
     expert's matrix through ``fmt`` in the [K, N] orientation the kernel packs (W[e].T where
     the export stores [N, K]); half precision experts' matmuls computed as qtvm does
-    (``_in_float32``)."""
+    (``_in_float32``); with ``rounder``, the input rounded where the target's routed kernel
+    takes int8 activations (``KernelFacts.routed_int8_rounding``)."""
     from qtvm.frontend.onnx import routed_sources
 
     made: dict[str, str] = {}
@@ -130,6 +132,11 @@ def _dequantize_experts(model: onnx.ModelProto, fmt: QuantFormat, before: dict, 
             for info in model.graph.value_info:  # the gather now yields float32 (a dynamo export types it)
                 if info.name == src.gather.output[0]:
                     info.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        k = int(src.tensor.dims[2 if src.side == 0 else 1])
+        rounding = int8_facts.routed_int8_rounding(fmt, k) if rounder is not None else None
+        if rounding is not None:  # x is [S, K, 1] or [S, 1, K]: rounded as rows of K
+            x = 1 - src.side
+            src.node.input[x] = rounder.round_activations(_at(src), src.node.input[x], fmt.padded_k(k), k, rounding)
         if src.name not in made:
             w = numpy_helper.to_array(src.tensor).astype(np.float32, copy=False)
             deq = []
@@ -209,6 +216,11 @@ class _Rounder:
             weights.append(add_csr(np.zeros((qt.k, qt.n), np.float32), parts.sparse))
         node.input[0] = self._emit("Concat", pieces, axis=-1)
         return np.concatenate(weights, axis=0)
+
+    def round_activations(self, at: tuple, x: str, kp: int, k: int, rounding) -> str:
+        """``x`` rounded ahead of the node at ``at`` (a routed matmul's input: one weight, no parts)."""
+        self.at = at
+        return self._rounded(x, kp, k, rounding)
 
     def _rounded(self, x: str, kp: int, k: int, rounding) -> str:
         """x[..., k] -> x_hat: zero-padded to kp, per ``rounding.block`` values q = round(x * 127 / a)

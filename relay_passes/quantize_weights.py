@@ -254,8 +254,10 @@ class _Rewriter(PyExprMutator):
             if parts.sparse is not None or len(parts.dense) != 1 or parts.dense[0][0] is not None:
                 return None
             tensors += [expert(e) for e in range(1, experts)]
-            if self.activations != "fp32":
-                self.report.fp32_activation_fallbacks.append("mixture-of-experts routed matmuls (fp32 kernel only)")
+            int8 = self.activations == "int8" and self.facts.routed_int8_rounding(self.fmt, k) is not None
+            if self.activations != "fp32" and not int8:
+                self.report.fp32_activation_fallbacks.append(
+                    f"mixture-of-experts routed matmuls ({self.fmt.name} with K={k}: fp32 kernel only)")
             self.report.layers.append(QuantizedMatmul(k, n, self.fmt, sum(t.nbytes for t in tensors),
                                                       tensor_nbytes(weight.value), experts))
             self.report.routed += 1
@@ -263,13 +265,17 @@ class _Rewriter(PyExprMutator):
             if n % self.facts.col_pad:  # zero columns up to the target's column tile, sliced off after
                 tensors = [ops.pad_columns(t, self.facts.col_pad) for t in tensors]
             width = tensors[0].n
-            kernel = self._kernel("qmatmul_experts", fmt, lambda: ops.qmatmul_experts_func(
-                fmt, k, width, nb, experts, **options), k, width, experts)
+            if int8:  # each row's int8 GEMV by its expert
+                kernel = self._kernel("qmatmul_a8_experts", fmt, lambda: ops.qmatmul_a8_expert_func(
+                    fmt, k, width, nb, experts), k, width, experts)
+            else:
+                kernel = self._kernel("qmatmul_experts", fmt, lambda: ops.qmatmul_experts_func(
+                    fmt, k, width, nb, experts, **options), k, width, experts)
             x2 = self.builder_.emit(relax.op.reshape(x, relax.ShapeExpr([s, k])))
             if ids.ty.ndim == 2:  # GatherND's [S, 1]
                 ids = self.builder_.emit(relax.op.reshape(ids, relax.ShapeExpr([s])))
             ids64 = ids if str(ids.ty.dtype) == "int64" else self.builder_.emit(relax.op.astype(ids, "int64"))
-            weights = [relax.const(a) for a in ops.expert_arrays(tensors, nb)]
+            weights = [relax.const(a) for a in ops.expert_arrays(tensors, nb, int8)]
             y2 = self.builder_.emit(relax.op.call_tir(kernel, relax.Tuple([x2, ids64, *weights]),
                                                       relax.TensorType([s, width], "float32")))
             if width != n:

@@ -55,6 +55,9 @@ class KernelFacts:
         (CUDA's ``fp16`` sums chunks in fp16; OpenCL's ``fp16`` in fp32, ``fp16-acc16`` in fp16).
     routed_experts: whether a mixture of experts' routed matmul (``take(W[E], ids) @ x``) runs the
         packed ``qtvm.ops.qmatmul_experts_func`` (else its experts stay float).
+    routed_int8: whether, with ``--act int8``, it runs the int8 GEMV by each row's expert
+        (``qtvm.ops.qmatmul_a8_expert_func``) where the format has the int8 dot
+        (``routed_int8_rounding``).
     f16_gemm: whether a matmul with fp16 activations (``f16_activations``) runs prefill on the
         fp16-operand GEMM (``qtvm.ops_gemm.qmatmul_gemm_f16_func``: CUDA tensor cores, fp32
         sums) instead of the exact fp32 one.
@@ -78,6 +81,7 @@ class KernelFacts:
     f16_accumulate: dict = field(default_factory=lambda: {"fp16": "float16"})
     f16_gemm: bool = False
     routed_experts: bool = False
+    routed_int8: bool = False
 
     def int8_rounding(self, fmt, k: int) -> "ActRounding | None":
         """How ``--act int8`` rounds a matmul's activations on this target: the pass builds
@@ -91,6 +95,15 @@ class KernelFacts:
         if self.decode_kernel.get(family, "qmatmul") != "lut_gemv" and (self.lut16_a8_gemv(fmt, k)
                                                                          or self.bcq_a8_gemv(fmt, k)):
             return ActRounding(fmt.group_size_for(k), max_rows=self.gemv_max_rows)  # BCQ's int16 / int8 tables
+        return None
+
+    def routed_int8_rounding(self, fmt, k: int) -> "ActRounding | None":
+        """``int8_rounding`` of a routed matmul (every row count: each row is a GEMV by its own
+        expert); None: it keeps fp32 activations."""
+        from qtvm import ops
+
+        if self.routed_int8 and self.int8_activations and ops.supports_int8_activations(fmt, k):
+            return ActRounding(ops.ACT_BLOCK)
         return None
 
     def check_format(self, fmt, target_name: str) -> None:

@@ -8,7 +8,7 @@ offset fold the partial into the output accumulator.
 from __future__ import annotations
 
 import tvm
-from tvm import s_tir
+from tvm import s_tir, tirx
 
 from qtvm import ops
 from schedules import claim_chunks
@@ -37,13 +37,15 @@ def facts(target: tvm.target.Target):
                        row_tile=ROW_TILE, int8_activations=bool(dot_isa(target)), activations=("fp32", "int8"),
                        lut16_gemv=lambda fmt, k: prefer_lut16(fmt, k, target),
                        lut16_a8_gemv=lambda fmt, k: prefer_lut16_a8(fmt, k, target),
-                       bcq_a8_gemv=lambda fmt, k: prefer_bcq_a8(fmt, k, target), routed_experts=True)
+                       bcq_a8_gemv=lambda fmt, k: prefer_bcq_a8(fmt, k, target), routed_experts=True,
+                       routed_int8=True)
 
 
 def rules() -> list:
     from schedules import x86_bcq, x86_dense, x86_gemm, x86_lut
 
-    return [schedule_qmatmul_x86, schedule_qmatmul_experts_x86, schedule_qmatmul_a8_x86, schedule_qmatmul_a8_gemm_x86,
+    return [schedule_qmatmul_x86, schedule_qmatmul_experts_x86, schedule_qmatmul_a8_x86,
+            schedule_qmatmul_a8_experts_x86, schedule_qmatmul_a8_gemm_x86,
             schedule_quantize_activations_x86, schedule_sparse_outliers_x86, x86_gemm.schedule_qmatmul_gemm_x86,
             x86_lut.schedule_lut_gemv_x86, x86_dense.schedule_dense_x86, x86_lut.schedule_lut16_gemv_x86,
             x86_lut.schedule_lut16_a8_gemv_x86, x86_bcq.schedule_bcq_a8_gemv_x86]
@@ -269,7 +271,7 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
         raise ValueError(f"streams={streams} must divide the {nblk} column blocks")
     if isinstance(tile_cols, int) and (tile_cols % intrin.STEP_COLS or cols % tile_cols):
         raise ValueError(f"tile_cols={tile_cols} must be a multiple of {intrin.STEP_COLS} dividing {cols}")
-    acc_g, acc_j = tile_columns_then_groups(sch, desc, cols, scope="global")
+    acc_g, acc_j = tile_columns_then_groups(sch, desc, cols, scope="global", rows_outer="experts" in desc)
     tile_loop = None
     if tile_cols is not None and not (isinstance(tile_cols, int) and tile_cols == cols):
         # column tiles inside each group: the group's rows stay one contiguous stream
@@ -287,6 +289,42 @@ def apply_qmatmul_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, stre
     sch.vectorize(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[-1])
     schedule_quantizer(sch, target)  # serial, before the launch (see qmatmul_a8_func)
     claim_chunks.mark_output_loop(sch, ops.BLOCK_OUT)
+
+
+def schedule_qmatmul_a8_experts_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """A mixture of experts' routed matmul with int8 activations: the int8 GEMV schedule by
+    one expert's weight (``qmatmul_a8_expert_func``), rows outside its parallel column loop,
+    then each row's expert bound inside the row loop (``route_rows``)."""
+    started = _a8_schedule(func, target, "qmatmul_a8_experts")
+    if started is None:
+        return None
+    sch = started[2]
+    apply_qmatmul_a8_x86(sch, target)
+    return route_rows(sch)
+
+
+def route_rows(sch: s_tir.Schedule) -> s_tir.Schedule:
+    """``qmatmul_a8_expert_func``'s scalar ``expert`` parameter becomes ``ids[i] mod E``, bound
+    at the top of the output's row loop ``i`` (outermost: ``rows_outer``), which every block
+    reading the weights sits in. Done after tensorize: the TensorIntrin matches a block whose
+    weight index is a plain variable, not one whose index reads ``ids``."""
+    func = sch.mod["main"]
+    row = sch.get(sch.get_loops(sch.get_sblock(ops.BLOCK_OUT))[0])
+    x, ids, expert, *rest = func.params
+    realize = func.body
+    block = realize.block
+    stmts = list(block.body) if isinstance(block.body, tirx.SeqStmt) else [block.body]
+    at = [n for n, stmt in enumerate(stmts) if stmt.same_as(row)]
+    if len(at) != 1:
+        raise ValueError("the routed kernel's row loop is not a top-level loop of its schedule")
+    experts = tirx.const(int(func.attrs[ops.FORMAT_ATTR]["experts"]), "int64")
+    bind = tirx.LetStmt(expert, tirx.floormod(tirx.BufferLoad(ids, [row.loop_var]), experts))
+    stmts[at[0]] = tirx.For(row.loop_var, row.min, row.extent, row.kind, tirx.SeqStmt([bind, row.body]),
+                            row.thread_binding, row.annotations)
+    body = s_tir.SBlockRealize(realize.iter_values, realize.predicate, s_tir.SBlock(
+        block.iter_vars, block.reads, block.writes, block.name_hint, tirx.SeqStmt(stmts), block.init,
+        block.alloc_buffers, block.match_buffers, block.annotations))
+    return s_tir.Schedule(tirx.PrimFunc([x, ids, *rest], body, func.ret_type, func.attrs))
 
 
 def _unroll(sch: s_tir.Schedule, loop, steps) -> None:

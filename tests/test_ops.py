@@ -134,6 +134,33 @@ def test_unsupported_formats_keep_fp32_activations():
     assert not ops.supports_int8_activations(get_format("int4-g16"), 1000)
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int3-g64", 300, 70), ("int2-g32", 128, 1),
+                                        ("e0m4-g32", 200, 70), ("int4-g32-f16-qz", 200, 64)])
+def test_int8_routed_experts_round_each_row_and_read_its_expert(isa, preset, k, n):
+    """The int8 routed kernel (the int8 GEMV with each row's expert bound in its row loop): row
+    i is exactly x_hat[i] @ W_hat[ids[i]] (x rounded per 32 values), M = 1 and more rows than
+    experts, K off the group, N off the vector width, negative ids from the end."""
+    import tvm
+
+    from schedules import schedule_kernel
+
+    fmt, experts = get_format(preset), 3
+    rng = np.random.default_rng(k + n)
+    tensors = [fmt.quantize(rng.standard_normal((k, n)).astype(np.float32)) for _ in range(experts)]
+    func = ops.qmatmul_a8_expert_func(fmt, k, n, NB, experts)
+    assert [str(p) for p in schedule_kernel(func, ISA_TARGETS[isa]).params][1:2] == ["ids"]  # expert: bound, not passed
+    lib = build(func, ISA_TARGETS[isa])
+    weights = [tvm.runtime.tensor(a) for a in ops.expert_arrays(tensors, NB, int8=True)]
+    for m in (1, 7):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ids = rng.integers(-experts, experts, m).astype(np.int64)
+        want = np.concatenate([int8_rounded_reference(x[i:i + 1], fmt, tensors[ids[i]]) for i in range(m)])
+        y = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(ids), *weights, y)
+        assert rel_err(y.numpy(), want) < 1e-5, m
+
+
 @pytest.mark.parametrize("preset,k,n", [("int4-g128", 1000, 37), ("int3-g64", 300, 70), ("int2-g32", 128, 1),
                                         ("int8-g32", 256, 65), ("e0m4-g32", 200, 70), ("bcq3-g128", 300, 70),
                                         ("int4-g32-f16-qz", 200, 64)])

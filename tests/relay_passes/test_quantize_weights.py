@@ -5,6 +5,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tvm
+from onnx import numpy_helper
 from tvm import relax
 
 from qtvm.formats import get_format
@@ -248,6 +249,36 @@ def test_routed_experts_are_packed_and_match_onnxruntime(preset):
         y = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(ids)).numpy()
         want = session.run(None, {"x": x, "ids": ids})[0]
         assert np.abs(y - want).max() / np.abs(want).max() < 1e-5, rows
+
+
+def test_routed_experts_with_int8_activations_run_the_int8_kernel():
+    """``--act int8`` on x86: a format with the int8 dot runs each row's int8 GEMV by its
+    expert (row i is x_hat[i] @ W_hat[ids[i]]); one without it (bcq3) keeps the fp32 routed
+    kernel, named in the fallbacks."""
+    from tests.kernels import int8_rounded_reference
+
+    model = moe_model()
+    mod, report = quantize_weights(import_onnx(model), get_format("int4-g32"), TARGET, activations="int8")
+    kernels = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert sum(name.startswith("qmatmul_a8_experts") for name in kernels) == 2 and report.routed == 2
+    assert not report.fp32_activation_fallbacks
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    fmt = get_format("int4-g32")
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    experts0 = [fmt.quantize(np.ascontiguousarray(w.T)) for w in weights["w0"]]  # stored [N, K] per expert
+    experts1 = [fmt.quantize(w) for w in weights["w1"]]  # stored [K, N]
+    rng = np.random.default_rng(4)
+    for rows in (1, 5):
+        x = rng.standard_normal((rows, 200)).astype(np.float32)
+        ids = rng.integers(-3, 3, rows).astype(np.int64)
+        h = np.concatenate([int8_rounded_reference(x[i:i + 1], fmt, experts0[ids[i]]) for i in range(rows)])
+        h = h.astype(np.float32)
+        want = np.concatenate([int8_rounded_reference(h[i:i + 1], fmt, experts1[ids[i]]) for i in range(rows)])
+        y = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(ids)).numpy()
+        assert np.abs(y - want).max() / np.abs(want).max() < 1e-4, rows
+    _, report = quantize_weights(import_onnx(model), get_format("bcq3-g32"), TARGET, activations="int8")
+    assert report.routed == 2 and any("mixture-of-experts" in note and "bcq3-g32" in note
+                                      for note in report.fp32_activation_fallbacks)
 
 
 def test_routed_experts_stay_float_in_a_composite_format():
