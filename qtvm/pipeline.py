@@ -128,8 +128,8 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
 
     mod, widened = fp32_accumulate(mod)
     if widened:
-        notes.append(f"{widened} float16/bfloat16 matmuls and reductions accumulate in float32 (as onnxruntime "
-                     "does)")
+        notes.append(f"{widened} float16/bfloat16 matmuls, reductions and math functions compute in float32 (as "
+                     "onnxruntime does)")
     meta = {
         "format": quant,
         "activations": activations if fmt is not None or lowered.weights else "fp32",
