@@ -648,6 +648,12 @@ def _run(session, feed: dict, binding: dict) -> dict:
         return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
     except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
         where = ",".join(f"{k}={v}" for k, v in binding.items()) or "the given inputs"
+        if getattr(session, "fallback", None):  # the reference evaluator ran it, and failed
+            why = str(e).strip().splitlines()[0][:150] if str(e).strip() else type(e).__name__
+            raise QtvmError(f"ONNX's reference evaluator fails on the model at {where} ({why}); it stood in for "
+                            f"onnxruntime: {session.fallback[:150]}",
+                            "qtvm check needs a reference that runs the model: compare the artefact's outputs "
+                            "with your framework's (qtvm run), or export the model in float32 or float16") from None
         raise QtvmError(f"onnxruntime cannot run the model at {where} ({_ort_message(e)[:200]})",
                         "bind dims that must agree (a KV export's mask length is past + seq) with --shape, "
                         "e.g. --shape batch=1,seq=3,past=5,<mask dim>=8") from None

@@ -34,6 +34,10 @@ MATH = {
     "relax.sqrt", "relax.rsqrt", "relax.sigmoid", "relax.power", "relax.nn.gelu", "relax.nn.gelu_tanh",
     "relax.nn.silu", "relax.nn.softplus",
 }
+#: Index-returning reductions run on a float32 copy of a half precision input (the same
+#: indices: widening is exact and keeps the order): TVM's bfloat16 legalization fails on
+#: argmax's let-bound running maximum (PhiMoE's bfloat16 router).
+ARG_REDUCTIONS = {"relax.argmax", "relax.argmin"}
 MATMUL = "relax.matmul"
 CONVS = {"relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d", "relax.nn.conv2d_transpose",
          "relax.nn.conv1d_transpose"}
@@ -70,6 +74,9 @@ class _Upcast(PyExprMutator):
         if not isinstance(call.op, tvm.ir.Op):
             return call
         name, out = call.op.name, _dtype(call)
+        if name in ARG_REDUCTIONS and _dtype(call.args[0]) in LOW:
+            self.changed += 1
+            return relax.Call(call.op, [self._wide(call.args[0]), *call.args[1:]], call.attrs, call.ty_args)
         if out not in LOW:
             return call
         if name == MATMUL:

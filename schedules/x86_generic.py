@@ -585,8 +585,8 @@ def _vectorizable(sch, loop) -> bool:
     block under it moves with it: a nested (reduction) loop or a reduction along the vector
     lanes turns a vector loop into wrong code, and TVM's vectorize primitive refuses neither.
     (A reduction block whose init is not decomposed yet is fine: vectorize must come first.)
-    Blocks calling a math function LLVM has no vector form for stay scalar too, and blocks
-    choosing between bool loads (``_bool_choice``)."""
+    Blocks calling a math function LLVM has no vector form for stay scalar too, blocks
+    choosing between bool loads (``_bool_choice``) and bfloat16 constant stores."""
     node = sch.get(loop)
     body = node.body
     stmts = list(body.seq) if isinstance(body, tirx.stmt.SeqStmt) else [body]
@@ -597,9 +597,18 @@ def _vectorizable(sch, loop) -> bool:
         for iv, value in zip(block.iter_vars, stmt.iter_values):
             if int(iv.iter_type) != tirx.IterVar.DataPar and _uses(value, node.loop_var):
                 return False
-        if _has_scalar_only_call(block) or _bool_choice(block):
+        if _has_scalar_only_call(block) or _bool_choice(block) or _bfloat16_constant_store(block):
             return False
     return True
+
+
+def _bfloat16_constant_store(block) -> bool:
+    """Whether ``block`` (or its reduction's init, vectorized with it) stores a bfloat16
+    constant: vectorized, TVM's bfloat16 storage legalization leaves the broadcast constant
+    bfloat16 in a uint16 store and the build fails ("dtype mismatch on BufferStore"; the -inf
+    init of a max in PhiMoE's bfloat16 router)."""
+    return any(isinstance(store, tirx.stmt.BufferStore) and str(store.buffer.dtype) == "bfloat16"
+               and not _any(store.value, lambda e: isinstance(e, _LOAD)) for store in (block.body, block.init))
 
 
 def _bool_choice(block) -> bool:

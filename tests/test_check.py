@@ -554,3 +554,24 @@ def test_half_precision_experts_are_packed_and_checked(tmp_path, dtype):
     report = check(path, result.path, feeds={"ids": np.array([2, -1, 0], np.int64)})
     assert report.ok, format_report(report)
     assert all(row.err_own < row.err_vs_float for row in report.rows)
+
+
+def test_a_failing_reference_evaluator_is_named_as_such():
+    """Where ONNX's reference evaluator stood in for onnxruntime and fails too, the error names
+    it and onnxruntime's reason, not "onnxruntime cannot run the model" with the evaluator's
+    message (a bfloat16 PhiMoE: onnxruntime has no bfloat16 MatMul, the evaluator's GatherElements
+    refused its shapes)."""
+    from qtvm.check import _run
+
+    class Evaluating:
+        fallback = "onnxruntime cannot run the model (no bfloat16 MatMul)"
+
+        def get_outputs(self):
+            return []
+
+        def run(self, names, feed):
+            raise ValueError("Except for dimension -1, all dimensions of index and self should be the same size.")
+
+    with pytest.raises(QtvmError, match=r"ONNX's reference evaluator fails on the model at batch=1 \(Except for "
+                                        r".*stood in for onnxruntime: onnxruntime cannot run the model \(no bfloat16"):
+        _run(Evaluating(), {}, {"batch": 1})

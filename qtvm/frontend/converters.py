@@ -179,7 +179,8 @@ def constant_of_shape(imp, node, attrs):
     fill = onnx.numpy_helper.to_array(attrs["value"]).reshape(-1) if "value" in attrs else np.zeros(1, np.float32)
     dtype = str(fill.dtype)
     value, target = relax.const(fill[0], dtype), _shape_expr(imp, shape.ints())
-    if fill.dtype.kind == "f" and not np.isfinite(fill[0]):  # TVM's full fails on them (reads its dtype as a str)
+    floating = fill.dtype.kind == "f" or dtype == "bfloat16"  # ml_dtypes' bfloat16 is of kind "V"
+    if floating and not np.isfinite(float(fill[0])):  # TVM's full fails on them (reads its dtype as a str)
         return relax.op.broadcast_to(value, target)
     return relax.op.full(target, value, dtype)
 

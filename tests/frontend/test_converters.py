@@ -597,3 +597,24 @@ def test_isnan_and_isinf_of_bfloat16(tmp_path):
         got = module.run({"x": x.astype(ml_dtypes.bfloat16)})
         np.testing.assert_array_equal(got["nan"], np.isnan(x))
         np.testing.assert_array_equal(got["inf"], np.isinf(x))
+
+
+def test_constant_of_shape_bfloat16_minus_infinity(tmp_path):
+    """ConstantOfShape of a bfloat16 -inf to a computed shape (PhiMoE's bfloat16 dynamo mask):
+    ml_dtypes' bfloat16 is not of numpy kind "f", so the non-finite fill reached TVM's ``full``,
+    which crashes on it; it is a broadcast as float ones are."""
+    import ml_dtypes
+
+    from qtvm import runtime
+
+    fill = numpy_helper.from_array(np.array([-np.inf], ml_dtypes.bfloat16))
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("ConstantOfShape", ["shape"], ["c"], value=fill),
+             helper.make_node("Add", ["x", "c"], ["y"])]
+    model = _model(nodes, [_x(elem=TensorProto.BFLOAT16)], [_x("y", elem=TensorProto.BFLOAT16)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    module = runtime.load(compile_model(path, tmp_path / "m.so", "host", "none").path)
+    for seq in (1, 5):
+        x = np.random.default_rng(seq).standard_normal((2, seq)).astype(ml_dtypes.bfloat16)
+        got = module.run({"x": x})["y"].astype(np.float32)
+        assert got.shape == (2, seq) and np.isneginf(got).all()

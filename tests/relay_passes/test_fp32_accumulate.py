@@ -126,3 +126,22 @@ def test_float16_math_is_computed_in_float32(op):
     exact = want(xs.astype(np.float64))
     ulps = np.abs(got.astype(np.float64) - exact) / np.spacing(np.abs(exact).astype(np.float16)).astype(np.float64)
     assert ulps.max() <= 2.0, (op, float(ulps.max()))
+
+
+@pytest.mark.parametrize("op", ["argmax", "argmin"])
+def test_bfloat16_argmax_runs_on_a_float32_copy(op):
+    """TVM's bfloat16 legalization failed on argmax's let-bound running maximum (PhiMoE's
+    bfloat16 router): it runs on the exact float32 copy, the same indices as numpy's."""
+    import ml_dtypes
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([5, 7], "bfloat16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(getattr(relax.op, op)(x, axis=1))
+        bb.emit_func_output(y)
+    mod, widened = fp32_accumulate(bb.get())
+    assert widened == 1
+    v = np.random.default_rng(1).standard_normal((5, 7)).astype(ml_dtypes.bfloat16)
+    got = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["main"](tvm.runtime.tensor(v)).numpy()
+    np.testing.assert_array_equal(got, getattr(np, op)(v.astype(np.float32), axis=1))

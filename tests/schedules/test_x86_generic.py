@@ -193,6 +193,23 @@ def test_a_bool_chosen_by_if_then_else_stays_scalar():
     np.testing.assert_array_equal(out.numpy(), np.concatenate([m[:, :1], m[:, 1:4:2]], axis=1))
 
 
+def test_a_bfloat16_max_with_a_constant_init_builds_and_is_right():
+    """A bfloat16 max over rows (PhiMoE's bfloat16 router): its -inf init vectorized failed to
+    build (TVM's bfloat16 storage legalization left the broadcast constant bfloat16 in a uint16
+    store); such stores stay scalar, the rest of the nest is still scheduled."""
+    import ml_dtypes
+
+    x = te.placeholder((6, 2, 8), "bfloat16", name="x")
+    r = te.reduce_axis((0, 2), name="r")
+    top = te.compute((6, 8), lambda i, j: te.max(x[i, r, j], axis=r), name="top")
+    scheduled = schedule_generic_func(te.create_prim_func([x, top]))
+    assert is_scheduled(scheduled)
+    v = np.random.default_rng(0).standard_normal((6, 2, 8)).astype(ml_dtypes.bfloat16)
+    out = tvm.runtime.empty((6, 8), "bfloat16")
+    _compiled(scheduled)["main"](tvm.runtime.tensor(v), out)
+    np.testing.assert_array_equal(out.numpy().astype(np.float32), v.astype(np.float32).max(axis=1))
+
+
 @pytest.mark.parametrize("lanes,cols,row_vectors", [(16, 64, 4), (16, 32, 2), (8, 64, 1), (8, 16, 2), (16, 48, 3),
                                                     (16, 80, 1), (16, 56, 1)])
 def test_attention_tile_spans_a_short_constant_row(lanes, cols, row_vectors):
