@@ -38,6 +38,8 @@ FP32_TOLERANCE = 1e-4
 #: LLaMA export, weights unquantized: 3-9e-4 of the largest logit against onnxruntime)
 HALF_EPSILONS = 4
 HALF_TYPES = {10: ("float16", 2.0 ** -10), 16: ("bfloat16", 2.0 ** -7)}  # ONNX type -> (name, epsilon)
+#: What stands in for onnxruntime on a bfloat16 model (``qtvm.reference.bfloat16_in_float32``).
+BF16_STAND_IN = "the model run in float32 with each bfloat16 value rounded to bfloat16 where it is made"
 INT8_ACT_FLOOR = 1e-3
 # MiniLM, int2/int3/bcq3 at 9 bindings: the own error was at most 1.0x the flip noise of its
 # binding with these four jitters (one jitter at a time: up to 2.6x), at most 0.7x the largest.
@@ -291,11 +293,23 @@ class _Session:
 
     def __init__(self, model, path=None):
         self.model, self.fallback, self._reference = model, None, None
+        self.stand_in = "ONNX's reference evaluator"  # what ran the model where onnxruntime could not
+        self._widen = False  # bfloat16 feeds go in as float32 (the model in float32: BF16_STAND_IN)
         try:
             self._ort = _ort_session(model, path)
         except QtvmError as e:
             from onnx.reference import ReferenceEvaluator
 
+            from qtvm.reference import bfloat16_in_float32
+
+            emulated = bfloat16_in_float32(model) if _half_precision(model) == HALF_TYPES[16] else None
+            try:  # a bfloat16 model: onnxruntime on its float32 form, rounded to bfloat16 as it goes
+                self._ort = _ort_session(emulated) if emulated is not None else None
+            except QtvmError:
+                self._ort = None
+            if self._ort is not None:
+                self.fallback, self.stand_in, self._widen = e.problem, BF16_STAND_IN, True
+                return
             try:
                 self._reference = ReferenceEvaluator(model)
             except Exception:  # noqa: BLE001 -- the reference evaluator raises anything
@@ -313,6 +327,8 @@ class _Session:
     def run(self, names, feed: dict) -> list:
         takes = {i.name for i in self.get_inputs()}  # a reference built bound takes no bound input
         feed = {k: v for k, v in feed.items() if k in takes}
+        if self._widen:
+            feed = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in feed.items()}
         if self._reference is not None:
             return self._reference.run(names, feed)
         try:
@@ -325,7 +341,7 @@ class _Session:
                 values = reference.run(names, feed)
             except Exception:  # noqa: BLE001 -- the reference evaluator raises anything
                 raise e from None
-            self._reference, self.fallback = reference, _ort_message(e)[:200]
+            self._reference, self.fallback = reference, f"onnxruntime cannot run the model ({_ort_message(e)[:200]})"
             return values
 
 
@@ -536,8 +552,13 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
                                            _rel(value, want_ref[name]), noise.get(name)))
     fallback = float_sess.fallback or ref_sess.fallback
     if fallback:
-        report.reference = (report.reference.replace("onnxruntime", "ONNX's reference evaluator", 1)
-                            + f" (onnxruntime cannot run this model: {fallback})")
+        stand_in = (ref_sess if ref_sess.fallback else float_sess).stand_in
+        if stand_in == BF16_STAND_IN:
+            report.reference += f", {stand_in} ({fallback})"
+        elif "onnxruntime" in report.reference:
+            report.reference = report.reference.replace("onnxruntime", stand_in, 1) + f" ({fallback})"
+        else:
+            report.reference += f", run by {stand_in} ({fallback})"
     if report.tolerance is None and not jitter_inputs:  # int8 asked, but no matmul input was rounded
         report.tolerance = max(FP32_TOLERANCE, half_floor)
         report.rule = "float rounding: no matmul of this artefact rounds its input to int8 (each kept fp32)"

@@ -266,3 +266,58 @@ class _Rounder:
     def _name(self, what: str) -> str:
         self.count += 1
         return f"qtvm_act_int8/{what}_{self.count}"
+
+
+def bfloat16_in_float32(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``model`` computed in float32, every bfloat16 value rounded to bfloat16 where a node makes
+    it (a Cast to bfloat16 and back after it): what the bfloat16 model computes, in ops
+    onnxruntime's CPU kernels have (it has next to no bfloat16 ones). Its bfloat16 inputs and
+    outputs are float32 ones (the same values: onnxruntime's Python API takes no bfloat16).
+    None where it cannot be rewritten so: subgraphs, or a value whose type shape inference
+    leaves unknown."""
+    from qtvm.frontend.onnx import subgraphs
+
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    if any(subgraphs(node) for node in model.graph.node):
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    del graph.value_info[:]  # inferred afresh (a reference's rewrites leave some stale)
+    try:
+        typed = onnx.shape_inference.infer_shapes(out, strict_mode=False)
+    except Exception:  # noqa: BLE001 -- shape inference raises anything
+        return None
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in (*typed.graph.value_info, *typed.graph.input, *typed.graph.output)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    for i, t in enumerate(graph.initializer):
+        if t.data_type == bf16:
+            wide = numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
+            graph.initializer[i].CopyFrom(wide)
+    for v in (*graph.input, *graph.output):  # fed and read as float32 (onnxruntime's Python API has no bfloat16)
+        if v.type.tensor_type.elem_type == bf16:
+            v.type.tensor_type.elem_type = f32
+    outputs = {o.name for o in graph.output}
+    renamed: dict[str, str] = {}  # a bfloat16 value -> its float32 copy, as rounded
+    nodes = []
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        for attr in node.attribute:
+            if attr.name in ("to", "dtype") and attr.type == onnx.AttributeProto.INT and attr.i == bf16:
+                attr.i = f32
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == bf16:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+        rounds = []
+        for index, name in enumerate(node.output):
+            if name and name not in types:
+                return None
+            if name and types[name] == bf16:
+                raw, rounded = f"{name}.qtvm_raw", f"{name}.qtvm_bf16"
+                node.output[index], renamed[name] = raw, (name if name in outputs else f"{name}.qtvm_f32")
+                rounds += [onnx.helper.make_node("Cast", [raw], [rounded], to=bf16),
+                           onnx.helper.make_node("Cast", [rounded], [renamed[name]], to=f32)]
+        nodes += [node, *rounds]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return out

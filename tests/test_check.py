@@ -251,14 +251,14 @@ def _add_model(dims_a=("n",), dims_b=("n",)):
 
 def test_reference_evaluator_where_onnxruntime_cannot_run(monkeypatch):
     """onnxruntime failing on a model ONNX's reference evaluator runs: the session answers with
-    the reference's values from then on and records onnxruntime's reason, without its prefix."""
+    the reference's values from then on and records onnxruntime's reason, without its code prefix."""
     import qtvm.check as qcheck
 
     monkeypatch.setattr(qcheck, "_ort_session", lambda model, path=None: _FailingOrt())
     sess = qcheck._session(_add_model())
     a, b = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
     assert np.array_equal(sess.run(None, {"a": a, "b": b})[0], a + b)
-    assert sess.fallback == "Non-zero status code returned while running Foo"
+    assert sess.fallback == "onnxruntime cannot run the model (Non-zero status code returned while running Foo)"
     assert [i.name for i in sess.get_inputs()] == ["a", "b"] and [o.name for o in sess.get_outputs()] == ["y"]
 
 
@@ -575,3 +575,40 @@ def test_a_failing_reference_evaluator_is_named_as_such():
     with pytest.raises(QtvmError, match=r"ONNX's reference evaluator fails on the model at batch=1 \(Except for "
                                         r".*stood in for onnxruntime: onnxruntime cannot run the model \(no bfloat16"):
         _run(Evaluating(), {}, {"batch": 1})
+
+
+def test_a_bfloat16_model_is_checked_in_float32_rounded_as_it_goes(tmp_path):
+    """onnxruntime has no bfloat16 MatMul or Add: the reference is the model in float32 with
+    every bfloat16 value rounded to bfloat16 where a node makes it (``bfloat16_in_float32``):
+    numpy's same arithmetic, exactly; qtvm check then runs on it, not on ONNX's reference
+    evaluator (which failed on a bfloat16 PhiMoE's GatherElements and BERT's shapes)."""
+    import ml_dtypes
+    import onnxruntime as ort
+
+    from qtvm.pipeline import compile_model
+    from qtvm.reference import bfloat16_in_float32
+
+    bf16 = TensorProto.BFLOAT16
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 16)).astype(ml_dtypes.bfloat16)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array(0.5, ml_dtypes.bfloat16))),
+             helper.make_node("Mul", ["t", "c"], ["m"]), helper.make_node("Cast", ["m"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["f"], ["y"], to=bf16)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", bf16, ["b", 24])],
+                              [helper.make_tensor_value_info("y", bf16, ["b", 16]),
+                               helper.make_tensor_value_info("h", bf16, ["b", 16])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    emulated = bfloat16_in_float32(model)
+    session = ort.InferenceSession(emulated.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((3, 24)).astype(ml_dtypes.bfloat16)
+    y, h = session.run(None, {"x": x.astype(np.float32)})
+    r = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    want_h = r(x.astype(np.float32) @ w.astype(np.float32))
+    np.testing.assert_array_equal(h, want_h)
+    np.testing.assert_array_equal(y, r(r(np.tanh(want_h)) * np.float32(0.5)))
+    path, art = tmp_path / "m.onnx", tmp_path / "m.so"
+    onnx.save(model, str(path))
+    compile_model(path, art, "host", "none")
+    report = check(path, art)
+    assert report.ok and "rounded to bfloat16 where it is made" in report.reference, format_report(report)
