@@ -669,10 +669,11 @@ def _run(session, feed: dict, binding: dict) -> dict:
         return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
     except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own exception types
         where = ",".join(f"{k}={v}" for k, v in binding.items()) or "the given inputs"
-        if getattr(session, "fallback", None):  # the reference evaluator ran it, and failed
+        if getattr(session, "fallback", None):  # what stood in for onnxruntime ran it, and failed
             why = str(e).strip().splitlines()[0][:150] if str(e).strip() else type(e).__name__
-            raise QtvmError(f"ONNX's reference evaluator fails on the model at {where} ({why}); it stood in for "
-                            f"onnxruntime: {session.fallback[:150]}",
+            who = "onnxruntime on the model in float32" if session.stand_in == BF16_STAND_IN else session.stand_in
+            raise QtvmError(f"{who} fails on the model at {where} ({why}); it stood in for onnxruntime: "
+                            f"{session.fallback[:150]}",
                             "qtvm check needs a reference that runs the model: compare the artefact's outputs "
                             "with your framework's (qtvm run), or export the model in float32 or float16") from None
         raise QtvmError(f"onnxruntime cannot run the model at {where} ({_ort_message(e)[:200]})",

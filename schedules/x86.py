@@ -324,6 +324,8 @@ def route_rows(sch: s_tir.Schedule) -> s_tir.Schedule:
     body = s_tir.SBlockRealize(realize.iter_values, realize.predicate, s_tir.SBlock(
         block.iter_vars, block.reads, block.writes, block.name_hint, tirx.SeqStmt(stmts), block.init,
         block.alloc_buffers, block.match_buffers, block.annotations))
+    if any(v.same_as(expert) for v in tirx.analysis.undefined_vars(body)):  # a weight read outside the row loop
+        raise ValueError("the routed kernel reads the weights outside its row loop")
     return s_tir.Schedule(tirx.PrimFunc([x, ids, *rest], body, func.ret_type, func.attrs))
 
 

@@ -565,6 +565,7 @@ def test_a_failing_reference_evaluator_is_named_as_such():
 
     class Evaluating:
         fallback = "onnxruntime cannot run the model (no bfloat16 MatMul)"
+        stand_in = "ONNX's reference evaluator"
 
         def get_outputs(self):
             return []
