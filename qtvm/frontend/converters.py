@@ -196,6 +196,22 @@ def is_nan_or_inf(imp, node, attrs):
     return imp.tvm_convert(node, attrs, {0: imp.emit(relax.op.astype(x, "float32"))})
 
 
+@converter("LayerNormalization")
+def layer_normalization(imp, node, attrs):
+    """ONNX types X, Scale and B alike; torch.onnx's legacy exporter writes float32 data with
+    float16 weights for a float16 model's LayerNorm (GPT-2, BERT, OPT, GPT-NeoX): refused by
+    name, as onnxruntime refuses it, with the export that works."""
+    types = [str(imp.expr(name).ty.dtype) for name in node.input if name
+             and isinstance(imp.expr(name).ty, relax.TensorType)]
+    if len(set(types)) > 1:
+        raise ImportFailure(
+            f"its {types[0]} data and {'/'.join(sorted(set(types[1:])))} scale and bias differ in type (ONNX "
+            "requires one; onnxruntime refuses the model too)",
+            "torch.onnx's legacy exporter writes this for float16 models: export with dynamo=True, or in float32 "
+            "(qtvm quantizes float32 weights the same)")
+    return None
+
+
 @converter("TopK")
 def top_k(imp, node, attrs):
     """``sorted=0`` leaves the order of the k values to the implementation (ONNX); TVM's

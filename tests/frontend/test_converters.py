@@ -618,3 +618,25 @@ def test_constant_of_shape_bfloat16_minus_infinity(tmp_path):
         x = np.random.default_rng(seq).standard_normal((2, seq)).astype(ml_dtypes.bfloat16)
         got = module.run({"x": x})["y"].astype(np.float32)
         assert got.shape == (2, seq) and np.isneginf(got).all()
+
+
+def test_layer_norm_of_mixed_types_is_refused_by_name(tmp_path):
+    """torch.onnx's legacy exporter gives a float16 model's LayerNorm float32 data and float16
+    weights (GPT-2, BERT, OPT): one line naming the node, the types and the export that works
+    (it was TVM's op signature dump); one type throughout still imports."""
+    from qtvm.errors import QtvmError
+
+    def model(data_type):
+        scale = numpy_helper.from_array(np.ones(4, np.float16), "scale")
+        bias = numpy_helper.from_array(np.zeros(4, np.float16), "bias")
+        node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], name="ln", axis=-1)
+        return _model([node], [_x(dims=("batch", 4), elem=data_type)], [_x("y", ("batch", 4), data_type)],
+                      [scale, bias])
+
+    path = tmp_path / "m.onnx"
+    onnx.save(model(TensorProto.FLOAT), str(path))
+    with pytest.raises(QtvmError, match=r"LayerNormalization node 'ln': its float32 data and float16 scale and bias "
+                                        r"differ in type .*export with dynamo=True"):
+        compile_model(path, tmp_path / "m.so", "host", "none")
+    onnx.save(model(TensorProto.FLOAT16), str(path))
+    assert compile_model(path, tmp_path / "m.so", "host", "none").path.exists()
