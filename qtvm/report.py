@@ -262,12 +262,12 @@ class _Weight:
     tensor: object = None  # the onnx.TensorProto holding it, as stored
 
 
-def constant_weights(model) -> list[_Weight]:
+def constant_weights(model, required: bool = True) -> list[_Weight]:
     """The float32 weights the compiler quantizes (``qtvm.frontend.onnx.weight_sources``: through
     Transposes and Constant nodes too, as ``qtvm.reference.dequantized_model``) in the model's own
     graph (the report reads each layer's input as a graph output), with their consumers.
 
-    Raises QtvmError when there are none, or when one holds NaN/Inf (naming it).
+    Raises QtvmError when there are none (``required``), or when one holds NaN/Inf (naming it).
     """
     import onnx
 
@@ -291,7 +291,7 @@ def constant_weights(model) -> list[_Weight]:
         k, n = (cols, rows) if src.transposed else (rows, cols)
         by_name[src.name] = _Weight(src.name, [node_name], [(node.input[0], trans_a)], src.transposed, k, n,
                                     src.tensor)
-    if not by_name:
+    if not by_name and required:
         raise QtvmError("the model has no MatMul/Gemm with a constant float32 2-D weight, so there is nothing "
                         "to quantize", "export with constant folding so Linear weights become MatMul/Gemm "
                         "initializers")
@@ -497,7 +497,7 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
     import onnx
 
     from qtvm.frontend.bind import bind_inputs
-    from qtvm.frontend.onnx import load_onnx
+    from qtvm.frontend.onnx import load_onnx, routed_sources
     from qtvm.reference import dequantized_model
 
     label = "<in-memory model>"
@@ -509,7 +509,8 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
         model.CopyFrom(given)
     bind_inputs(model, binds or {})
     chosen = resolve_presets(list(presets))
-    weights = constant_weights(model)
+    routed = list({src.name: src for src in routed_sources(model)}.values())  # each gathered W[E] once
+    weights = constant_weights(model, required=not routed)
     separate = (calib is None) == (inputs is None)  # both given, or both synthetic
     feeds, inputs_desc = prepare_inputs(model, inputs if inputs is not None else calib, seed)
     cal_feeds, cal_desc = prepare_inputs(model, calib, seed + 1) if separate else (feeds, "same as inputs")
@@ -520,7 +521,8 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
         ref, acts = collect_layer_inputs(model, cal_feeds, weights)
     if separate or not acts:
         ref = _run(_session(model), feeds, "float model")
-    report = Report(label, [p.name for p in chosen], len(weights), int(sum(w.k * w.n for w in weights)),
+    report = Report(label, [p.name for p in chosen], len(weights) + sum(int(r.tensor.dims[0]) for r in routed),
+                    int(sum(w.k * w.n for w in weights) + sum(math.prod(r.tensor.dims) for r in routed)),
                     inputs_desc, cal_desc)
     if keep_outputs:
         report.outputs["float"] = ref
@@ -548,9 +550,17 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
             fro.append(rel)
             max_abs = max(max_abs, row.max_abs_err)
             made[w.init_name, w.trans_b] = qt
+        experts = routed and not (p.calibrated and not p.gptq)  # a composite format leaves them float
+        for src in routed:
+            row, bits = _experts_row(p, src, experts)
+            report.layers.append(row)
+            stored_bits += bits
+            abs_sum += row.mean_abs_err * math.prod(src.tensor.dims)
+            fro.append(row.rel_fro_err)
+            max_abs = max(max_abs, row.max_abs_err)
         # the compiled model's weights (the reference's rule: a tied embedding table stays float, the
         # If branches' and half precision weights are quantized by the format)
-        qmodel = dequantized_model(model, p.fmt, quantized=made)
+        qmodel = dequantized_model(model, p.fmt, quantized=made, experts=bool(experts))
         got = _run(_session(qmodel), feeds, f"{p.name} model")
         del qmodel
         if keep_outputs:
@@ -564,6 +574,35 @@ def quantize_report(model, presets=DEFAULT_PRESETS, calib: dict | None = None, *
             progress(f"{p.name}: {summary.bits_per_weight:.3f} bits/w, mean rel.Frob {summary.mean_rel_fro_err:.4g}"
                      + (f", {o.name} cos mean {o.cos_mean:.5f}" if o else "") + f" ({summary.seconds:.1f} s)")
     return report
+
+
+def _experts_row(p: _Preset, src, packed: bool) -> tuple[LayerError, float]:
+    """A mixture of experts' routed weight W[E] (``qtvm.frontend.onnx.routed_sources``): every
+    expert through the format on its own, in the [K, N] orientation the compiler packs, the
+    errors over all of them; or, where the compiler leaves them float (``packed`` False), their
+    stored bits and no error. Returns (row, stored bits)."""
+    import numpy as np
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    from qtvm.frontend.onnx import tensor_array
+
+    w = tensor_array(src.tensor).astype(np.float32, copy=False)
+    count, rows, cols = w.shape
+    k, n = (cols, rows) if src.side == 0 else (rows, cols)
+    node = f"{src.node.name or f'MatMul_{src.index}'} ({count} experts)"
+    if not packed:
+        bits = 8.0 * w.size * np.dtype(tensor_dtype_to_np_dtype(src.tensor.data_type)).itemsize
+        return LayerError(p.name, node, src.name, k, n, bits / w.size, 0.0, 0.0, 0.0), bits
+    bits = sq_diff = sq_norm = abs_sum = max_abs = 0.0
+    for e in range(count):
+        kn = np.ascontiguousarray(w[e].T if src.side == 0 else w[e])
+        qt = p.fmt.quantize(kn, name=f"expert {e} of '{src.name}'")
+        diff = qt.dequantize().astype(np.float64) - kn
+        bits += 8.0 * qt.nbytes
+        sq_diff, sq_norm = sq_diff + float((diff * diff).sum()), sq_norm + float((kn.astype(np.float64) ** 2).sum())
+        abs_sum, max_abs = abs_sum + float(np.abs(diff).sum()), max(max_abs, float(np.abs(diff).max()))
+    rel = math.sqrt(sq_diff / sq_norm) if sq_norm else (0.0 if sq_diff == 0 else math.inf)
+    return LayerError(p.name, node, src.name, k, n, bits / w.size, max_abs, abs_sum / w.size, rel), bits
 
 
 def _quantize(p: _Preset, kn, x, w: _Weight):
@@ -630,7 +669,8 @@ def report_command(args) -> int:
     report = quantize_report(args.model, args.formats.split(","), calib, inputs=inputs, seed=args.seed,
                              progress=lambda line: print(line, file=sys.stderr, flush=True),
                              binds=parse_bind_options(args.bind))
-    print(f"model: {report.model}: {report.weights} constant MatMul/Gemm weights, {report.weight_count:,} values")
+    print(f"model: {report.model}: {report.weights} constant weight matrices (MatMul/Gemm weights; a mixture of "
+          f"experts' experts one each), {report.weight_count:,} values")
 
     def describe(feeds: dict) -> str:
         return "; ".join(f"{k} {v['shape']} {v['dtype']} ({v['source']})" for k, v in feeds.items())

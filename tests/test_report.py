@@ -393,3 +393,26 @@ def test_weights_behind_a_transpose_or_in_constants_are_reported_as_compiled():
         assert np.allclose(got[name], want[name], rtol=1e-5, atol=1e-5), name
         assert not np.allclose(got[name], report.outputs["float"][name], rtol=1e-3, atol=1e-3), name
     assert np.array_equal(got["emb"], want["emb"]) and np.array_equal(got["emb"], w1[[0, 5, 47]])  # the table: float
+
+
+def test_mixture_of_experts_weights_are_reported_as_the_compiler_packs_them():
+    """A model of routed experts only (it was "nothing to quantize"): each routed W[E] is a row,
+    every expert through the format in the orientation the compiler packs (the row's error is
+    the experts' together, checked here against numpy), the model's output error is onnxruntime's
+    with them dequantized; a composite format leaves them float (32 bits, no error), as compiling does."""
+    from tests.conftest import moe_model
+
+    model = moe_model()
+    report = quantize_report(model, ["int4-g32", "mixed-2-4-16"], keep_outputs=True)
+    assert report.weights == 6 and report.weight_count == 2 * 3 * 200 * 70
+    rows = {(r.preset, r.weight): r for r in report.layers}
+    w0 = numpy_helper.to_array(model.graph.initializer[0])  # [E, N, K]
+    fmt = get_format("int4-g32")
+    diffs = [fmt.quantize(np.ascontiguousarray(w.T)).dequantize() - w.T for w in w0]
+    want = np.sqrt(sum((d.astype(np.float64) ** 2).sum() for d in diffs) / (w0.astype(np.float64) ** 2).sum())
+    row = rows["int4-g32", "w0"]
+    assert (row.k, row.n) == (200, 70) and "3 experts" in row.node
+    assert row.rel_fro_err == pytest.approx(want, rel=1e-6) and 4 < row.bits_per_weight < 8
+    assert rows["mixed-2-4-16", "w0"].bits_per_weight == 32 and rows["mixed-2-4-16", "w1"].rel_fro_err == 0
+    packed, kept = report.format_summary("int4-g32"), report.format_summary("mixed-2-4-16")
+    assert 0.9 < packed.outputs[0].cos_mean < 0.9999 and kept.outputs[0].rel_max_err == 0
