@@ -196,6 +196,21 @@ def is_nan_or_inf(imp, node, attrs):
     return imp.tvm_convert(node, attrs, {0: imp.emit(relax.op.astype(x, "float32"))})
 
 
+HALF = ("float16", "bfloat16")
+
+
+@converter("Elu", "Selu", "ThresholdedRelu", "HardSigmoid")
+def half_activation(imp, node, attrs):
+    """A half precision one: TVM's converter on a float32 copy, the result cast back. TVM builds
+    Elu, Selu and ThresholdedRelu from float32 constants ("Binary operators must have the same
+    datatype": a float16 one failed to import) and HardSigmoid's alpha * x + beta in float16
+    (10 ulps off onnxruntime's float32 arithmetic, rounded once)."""
+    x = imp.expr(node.input[0])
+    if not (isinstance(x.ty, relax.TensorType) and str(x.ty.dtype) in HALF):
+        return None
+    return relax.op.astype(imp.tvm_convert(node, attrs, {0: imp.emit(relax.op.astype(x, "float32"))}), str(x.ty.dtype))
+
+
 @converter("LayerNormalization")
 def layer_normalization(imp, node, attrs):
     """ONNX types X, Scale and B alike; torch.onnx's legacy exporter writes float32 data with
