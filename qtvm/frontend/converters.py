@@ -199,16 +199,20 @@ def is_nan_or_inf(imp, node, attrs):
 HALF = ("float16", "bfloat16")
 
 
-@converter("Elu", "Selu", "ThresholdedRelu", "HardSigmoid")
-def half_activation(imp, node, attrs):
-    """A half precision one: TVM's converter on a float32 copy, the result cast back. TVM builds
-    Elu, Selu and ThresholdedRelu from float32 constants ("Binary operators must have the same
-    datatype": a float16 one failed to import) and HardSigmoid's alpha * x + beta in float16
-    (10 ulps off onnxruntime's float32 arithmetic, rounded once)."""
+@converter("Elu", "Selu", "ThresholdedRelu", "HardSigmoid", "Clip")  # and PRelu, Mod: ``broadcasting``'s own
+def half_in_float32(imp, node, attrs):
+    """A half precision one: TVM's converter on float32 copies of its inputs of that type, the
+    result cast back (rounded once, as onnxruntime's float32 arithmetic). TVM builds Elu, Selu and
+    ThresholdedRelu from float32 constants ("Binary operators must have the same datatype": a
+    float16 one failed to import), HardSigmoid's alpha * x + beta in float16 (10 ulps off), and
+    has no bfloat16 Clip (its isnan), PRelu ("requires float") or fmod (a build failure)."""
     x = imp.expr(node.input[0])
-    if not (isinstance(x.ty, relax.TensorType) and str(x.ty.dtype) in HALF):
+    dtype = str(x.ty.dtype) if isinstance(x.ty, relax.TensorType) else None
+    if dtype not in HALF:
         return None
-    return relax.op.astype(imp.tvm_convert(node, attrs, {0: imp.emit(relax.op.astype(x, "float32"))}), str(x.ty.dtype))
+    wide = {i: imp.emit(relax.op.astype(imp.expr(name), "float32")) for i, name in enumerate(node.input)
+            if name and str(imp.expr(name).ty.dtype) == dtype}
+    return relax.op.astype(imp.tvm_convert(node, attrs, wide), dtype)
 
 
 @converter("LayerNormalization")
@@ -543,9 +547,10 @@ def broadcasting(imp, node, attrs, own=None):
     return result
 
 
+_OWN = {"Pow": pow_, "PRelu": half_in_float32, "Mod": half_in_float32}
 for _op in BROADCASTING:
-    if _op == "Pow":
-        CONVERTERS[_op] = lambda imp, node, attrs: broadcasting(imp, node, attrs, pow_)
+    if _op in _OWN:
+        CONVERTERS[_op] = lambda imp, node, attrs, own=_OWN[_op]: broadcasting(imp, node, attrs, own)
     else:
         CONVERTERS[_op] = broadcasting
 

@@ -165,7 +165,7 @@ def _value_facts(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]
     return types, ranks
 
 
-_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE}
+_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 _UNSIGNED = {TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}
 _INTS = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64} | _UNSIGNED
 

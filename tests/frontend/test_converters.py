@@ -643,25 +643,36 @@ def test_layer_norm_of_mixed_types_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("op,attrs", [("Elu", {"alpha": 0.7}), ("Selu", {}), ("ThresholdedRelu", {"alpha": 0.3}),
-                                      ("HardSigmoid", {"alpha": 0.3, "beta": 0.4})])
+                                      ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}), ("Clip", {}), ("PRelu", {}),
+                                      ("Mod", {"fmod": 1})])
 @pytest.mark.parametrize("elem", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
 def test_half_precision_activations_run_in_float32(tmp_path, op, attrs, elem):
     """Elu, Selu and ThresholdedRelu of float16/bfloat16 failed to import (TVM builds them from
-    float32 constants); HardSigmoid computed alpha * x + beta in float16 (10 ulps off): each runs
-    on a float32 copy, within one rounding of onnxruntime's float32 result (x made half first)."""
+    float32 constants); HardSigmoid computed alpha * x + beta in float16 (10 ulps off); bfloat16
+    Clip, PRelu and fmod failed to compile: each runs on float32 copies, within one rounding of
+    onnxruntime's float32 result (the inputs made half first). Found by ONNX's float32 node
+    tests made half precision."""
     import ml_dtypes
 
     from qtvm import runtime
 
     half = np.float16 if elem == TensorProto.FLOAT16 else ml_dtypes.bfloat16
-    model = _model([helper.make_node(op, ["x"], ["y"], **attrs)], [_x(elem=elem)], [_x("y", elem=elem)])
+    second = {"Clip": ["", "hi"], "PRelu": ["slope"], "Mod": ["d"]}.get(op, [])
+    rng = np.random.default_rng(3)
+    values = {"x": rng.standard_normal((2, 9)) * 3, "hi": np.array(1.5), "slope": rng.standard_normal(9),
+              "d": rng.uniform(0.5, 2, (2, 9)) * rng.choice([-1, 1], (2, 9))}
+
+    def graph(t):
+        feeds = [n for n in ["x", *second] if n]
+        inputs = [_x(n, np.shape(values[n]) or (), t) for n in feeds]
+        return _model([helper.make_node(op, ["x", *second], ["y"], **attrs)], inputs, [_x("y", (2, 9), t)])
+
     path = tmp_path / "m.onnx"
-    onnx.save(model, str(path))
+    onnx.save(graph(elem), str(path))
     module = runtime.load(compile_model(path, tmp_path / "m.so", "host", "none").path)
-    wide = _model([helper.make_node(op, ["x"], ["y"], **attrs)], [_x()], [_x("y")])
-    session = ort.InferenceSession(wide.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = (np.random.default_rng(3).standard_normal((2, 9)) * 3).astype(half)
-    got = module.run({"x": x})["y"]
-    want = session.run(None, {"x": x.astype(np.float32)})[0].astype(half)  # one rounding
+    session = ort.InferenceSession(graph(TensorProto.FLOAT).SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {n: np.asarray(values[n]).astype(half) for n in ["x", *second] if n}
+    got = module.run(feeds)["y"]
+    want = session.run(None, {n: v.astype(np.float32) for n, v in feeds.items()})[0].astype(half)  # one rounding
     ulp = np.spacing(np.abs(want).astype(np.float32)) * (2 ** 13 if elem == TensorProto.FLOAT16 else 2 ** 16)
     assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp).all()
