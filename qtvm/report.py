@@ -263,16 +263,17 @@ class _Weight:
 
 
 def constant_weights(model, required: bool = True) -> list[_Weight]:
-    """The float32 weights the compiler quantizes (``qtvm.frontend.onnx.weight_sources``: through
-    Transposes and Constant nodes too, as ``qtvm.reference.dequantized_model``) in the model's own
-    graph (the report reads each layer's input as a graph output), with their consumers.
+    """The weights the compiler quantizes (``qtvm.frontend.onnx.weight_sources``: float32, float16
+    or bfloat16, through Transposes and Constant nodes too, as ``qtvm.reference.dequantized_model``)
+    in the model's own graph (the report reads each layer's input as a graph output), with their
+    consumers.
 
     Raises QtvmError when there are none (``required``), or when one holds NaN/Inf (naming it).
     """
     import onnx
 
     from qtvm.formats.base import check_weight
-    from qtvm.frontend.onnx import tensor_array, weight_sources
+    from qtvm.frontend.onnx import WEIGHT_TYPES, tensor_array, weight_sources
 
     by_name: dict[str, _Weight] = {}
     for src in weight_sources(model, [(model.graph, ())]):
@@ -285,14 +286,14 @@ def constant_weights(model, required: bool = True) -> list[_Weight]:
                 w.nodes.append(node_name)
                 w.act_inputs.append((node.input[0], trans_a))
             continue
-        if len(src.tensor.dims) != 2 or src.tensor.data_type != onnx.TensorProto.FLOAT:
+        if len(src.tensor.dims) != 2 or src.tensor.data_type not in WEIGHT_TYPES:
             continue
         rows, cols = (int(d) for d in src.tensor.dims)
         k, n = (cols, rows) if src.transposed else (rows, cols)
         by_name[src.name] = _Weight(src.name, [node_name], [(node.input[0], trans_a)], src.transposed, k, n,
                                     src.tensor)
     if not by_name and required:
-        raise QtvmError("the model has no MatMul/Gemm with a constant float32 2-D weight, so there is nothing "
+        raise QtvmError("the model has no MatMul/Gemm with a constant float 2-D weight, so there is nothing "
                         "to quantize", "export with constant folding so Linear weights become MatMul/Gemm "
                         "initializers")
     for w in by_name.values():
@@ -324,6 +325,8 @@ def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict
     import numpy as np
     from onnx import helper
 
+    from qtvm.frontend.onnx import is_float_dtype
+
     specs = graph_inputs(model)
     feeds, desc = {}, {}
     if calib is not None:
@@ -350,7 +353,7 @@ def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict
                     if d.HasField("dim_value") and d.dim_value != arr.shape[i]:
                         raise QtvmError(f"input '{v.name}' has shape {list(arr.shape)} but dim {i} must be "
                                         f"{d.dim_value}", "reshape the array")
-            if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+            if is_float_dtype(arr.dtype) and not np.all(np.isfinite(arr.astype(np.float32))):
                 raise QtvmError(f"input '{v.name}' contains NaN/Inf values", "pass finite inputs")
             feeds[v.name] = arr.astype(dtype, copy=False)
             source = "given"
@@ -360,7 +363,7 @@ def prepare_inputs(model, calib: dict | None, seed: int = 0) -> tuple[dict, dict
                                 "pass inputs with --input NAME=FILE.npy")
             shape = [d.dim_value if d.HasField("dim_value") else _synthetic_dim(d.dim_param, i, sizes)
                      for i, d in enumerate(dims)]
-            if np.issubdtype(dtype, np.floating):
+            if is_float_dtype(dtype):
                 feeds[v.name] = rng.standard_normal(shape).astype(dtype)
                 source = "synthetic: standard normal"
             elif dtype == np.bool_:
@@ -394,7 +397,12 @@ def _synthetic_dim(text: str, axis: int, sizes: dict) -> int:
 
 
 def _session(model):
+    """onnxruntime on ``model``; on a bfloat16 model it cannot load (its CPU kernels have next to no
+    bfloat16 ones), on the model in float32 rounded to bfloat16 as it goes, as ``qtvm check`` runs
+    it (``qtvm.reference.bfloat16_in_float32``: its bfloat16 inputs fed as float32)."""
     import onnxruntime as ort
+
+    from qtvm.reference import bfloat16_in_float32
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -402,8 +410,34 @@ def _session(model):
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QtvmError(f"onnxruntime cannot load the model: {first[:300]}",
-                        "check that the model is valid ONNX") from None
+        error = QtvmError(f"onnxruntime cannot load the model: {first[:300]}", "check that the model is valid ONNX")
+    emulated = bfloat16_in_float32(model) if _stores_bfloat16(model) else None
+    if emulated is None:
+        raise error from None
+    try:
+        return _Widened(ort.InferenceSession(emulated.SerializeToString(), opts, providers=["CPUExecutionProvider"]))
+    except Exception:
+        raise error from None
+
+
+def _stores_bfloat16(model) -> bool:
+    bf16 = 16  # onnx.TensorProto.BFLOAT16
+    return any(v.type.tensor_type.elem_type == bf16 for v in model.graph.input) or \
+        any(t.data_type == bf16 for t in model.graph.initializer)
+
+
+class _Widened:
+    """A session of a model's float32 form, fed its bfloat16 inputs as float32."""
+
+    def __init__(self, sess):
+        self.sess = sess
+
+    def get_outputs(self):
+        return self.sess.get_outputs()
+
+    def run(self, names, feeds: dict):
+        return self.sess.run(names, {k: v.astype("float32") if v.dtype.name == "bfloat16" else v
+                                     for k, v in feeds.items()})
 
 
 def _run(sess, feeds: dict, what: str) -> dict:
@@ -423,7 +457,7 @@ def collect_layer_inputs(model, feeds: dict, weights: list[_Weight]) -> tuple[di
     """
     import numpy as np
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -431,8 +465,8 @@ def collect_layer_inputs(model, feeds: dict, weights: list[_Weight]) -> tuple[di
     have = set(outputs) | set(feeds)
     for w in weights:
         for name, _ in w.act_inputs:
-            if name not in have:
-                m.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+            if name not in have:  # a matmul's A has its B's type (ONNX's type constraint T)
+                m.graph.output.append(helper.make_tensor_value_info(name, w.tensor.data_type, None))
                 have.add(name)
     values = _run(_session(m), feeds, "float model with layer inputs as outputs")
     values.update({k: v for k, v in feeds.items() if k not in values})
@@ -449,10 +483,12 @@ def collect_layer_inputs(model, feeds: dict, weights: list[_Weight]) -> tuple[di
 def compare_outputs(ref: dict, got: dict) -> list[OutputError]:
     import numpy as np
 
+    from qtvm.frontend.onnx import is_float_dtype
+
     out = []
     for name, y in ref.items():
         y = np.asarray(y)
-        if not np.issubdtype(y.dtype, np.floating):
+        if not is_float_dtype(y.dtype):
             continue
         y = y.astype(np.float64)
         q = np.asarray(got[name]).astype(np.float64)

@@ -416,3 +416,49 @@ def test_mixture_of_experts_weights_are_reported_as_the_compiler_packs_them():
     assert rows["mixed-2-4-16", "w0"].bits_per_weight == 32 and rows["mixed-2-4-16", "w1"].rel_fro_err == 0
     packed, kept = report.format_summary("int4-g32"), report.format_summary("mixed-2-4-16")
     assert 0.9 < packed.outputs[0].cos_mean < 0.9999 and kept.outputs[0].rel_max_err == 0
+
+
+def _half_mlp(kind: str) -> onnx.ModelProto:
+    """The test MLP in half precision as users make one: onnxruntime's float16 converter (inputs
+    and outputs float16, or kept float32 with Casts it appends after their readers), or bfloat16."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from qtvm.frontend.onnx import sort_nodes
+
+    if kind != "bfloat16":
+        model = convert_float_to_float16(mlp_model(), keep_io_types=kind == "float16 keep_io_types")
+        sort_nodes(model.graph)  # as load_onnx does
+        return model
+    model = mlp_model()
+    for v in [*model.graph.input, *model.graph.output]:
+        v.type.tensor_type.elem_type = TensorProto.BFLOAT16
+    for t in model.graph.initializer:
+        a = numpy_helper.to_array(t)
+        t.CopyFrom(helper.make_tensor(t.name, TensorProto.BFLOAT16, a.shape, a.flatten().tolist()))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["float16", "float16 keep_io_types", "bfloat16"])
+def test_half_precision_models_are_reported(kind):
+    """A float16 or bfloat16 model (the compiler packs its weights) was "nothing to quantize"; a
+    bfloat16 one's synthetic inputs were all ones (numpy does not count bfloat16 as floating), and
+    onnxruntime cannot run it: it runs in float32 rounded to bfloat16 as it goes, as `qtvm check`
+    does. Each weight's row is its half values through the format; GPTQ calibrates on the layer
+    inputs read in their half type."""
+    model = _half_mlp(kind)
+    report = quantize_report(model, ["int4-g32", "gptq:int4-g32"], keep_outputs=True)
+    rows = {(r.preset, r.weight): r for r in report.layers}
+    assert report.weights == 2 and set(rows) == {(p, w) for p in ("int4-g32", "gptq:int4-g32") for w in ("w1", "w2")}
+    w2 = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w2")).astype(np.float32)
+    diff = get_format("int4-g32").quantize(w2).dequantize() - w2
+    assert rows["int4-g32", "w2"].max_abs_err == pytest.approx(np.abs(diff).max(), rel=1e-6)
+    assert report.inputs["x"]["source"] == "synthetic: standard normal"
+    x = prepare_inputs(model, None)[0]["x"]
+    assert len(np.unique(x.astype(np.float32))) > 100
+    for preset in ("int4-g32", "gptq:int4-g32"):
+        y = report.format_summary(preset).outputs[0]
+        assert y.name == "y" and 0.98 < y.cos_mean < 0.9999
+    ref = mlp_model()
+    want = ort_run(ref, {"x": x.astype(np.float32)})[0]  # the float32 model on the same inputs
+    got = np.asarray(report.outputs["float"]["y"], np.float32)
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtvm.errors import QtvmError
-from qtvm.frontend.onnx import declared_dims, graph_reads, graph_scopes, subgraphs
+from qtvm.frontend.onnx import declared_dims, graph_reads, graph_scopes, is_float_dtype, subgraphs
 
 _TRUE, _FALSE = ("1", "true", "True"), ("0", "false", "False")
 
@@ -49,7 +49,7 @@ def bound_value(vi: onnx.ValueInfoProto, text: str) -> np.ndarray | str:
             value = text in _TRUE
         elif np.issubdtype(dtype, np.integer):
             value = int(text)
-        elif np.issubdtype(dtype, np.floating):
+        elif is_float_dtype(dtype):
             value = float(text)
         else:
             return f"its dtype {dtype} cannot be bound"

@@ -20,6 +20,11 @@ WEIGHT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorPro
 QTVM_READS = {("com.microsoft", "MatMulNBits")}
 
 
+def is_float_dtype(dtype) -> bool:
+    """numpy's floats and ml_dtypes' bfloat16 (which numpy does not count as floating)."""
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
+
+
 @dataclass
 class OnnxSummary:
     """What the quantizer will see, by ONNX node name."""
@@ -51,7 +56,68 @@ def load_onnx(path: str | os.PathLike, lazy: bool = False) -> onnx.ModelProto:
                         "re-export the model or check the download")
     if lazy:
         _locate_external_data(model, path.parent)
+    sort_nodes(model.graph)
     return model
+
+
+def _outer_reads(node: onnx.NodeProto) -> set[str]:
+    """Names ``node``'s subgraphs (If branches, Loop bodies) read from enclosing graphs."""
+    out: set[str] = set()
+    for sub in subgraphs(node):
+        made = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+        for inner in sub.node:
+            out |= {n for n in (*inner.input, *_outer_reads(inner)) if n and n not in made}
+            made |= set(inner.output)
+    return out
+
+
+def sort_nodes(graph: onnx.GraphProto, outer: frozenset = frozenset()) -> None:
+    """Nodes in an order that defines each name before it is read, in place, in ``graph`` and its
+    subgraphs, where they are not already: onnxruntime's float16 converter (``keep_io_types``)
+    appends its input Casts after the nodes that read them, and onnxruntime runs such a file while
+    ONNX's checker refuses it. Stable (of the nodes ready, the first in the file goes first); a
+    graph that no order fixes (a name nothing makes, a cycle) is left as it is, for the checker."""
+    import heapq
+
+    known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    made_here = {o for n in graph.node for o in n.output}
+    for node in graph.node:
+        for sub in subgraphs(node):
+            sort_nodes(sub, frozenset(known | made_here))
+    needs = [(set(n.input) | _outer_reads(n)) - known for n in graph.node]
+    made: set[str] = set()
+    for need, node in zip(needs, graph.node):
+        if not need <= made:
+            break
+        made.update(node.output)
+    else:
+        return  # in order already
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    if any(name not in producer for need in needs for name in need):
+        return  # a name nothing makes
+    waiting = [len(need) for need in needs]
+    readers: dict[str, list[int]] = {}
+    for i, need in enumerate(needs):
+        for name in need:
+            readers.setdefault(name, []).append(i)
+    heap = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        i = heapq.heappop(heap)
+        order.append(i)
+        for name in graph.node[i].output:
+            for r in readers.pop(name, ()):
+                waiting[r] -= 1
+                if waiting[r] == 0:
+                    heapq.heappush(heap, r)
+    if len(order) < len(graph.node):
+        return  # a cycle
+    copies = [onnx.NodeProto() for _ in order]
+    for c, i in zip(copies, order):
+        c.CopyFrom(graph.node[i])
+    del graph.node[:]
+    graph.node.extend(copies)
 
 
 def _locate_external_data(model: onnx.ModelProto, base: Path) -> None:

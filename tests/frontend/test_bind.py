@@ -180,3 +180,15 @@ def test_merged_decoder_mask_restated_where_its_declaration_cannot_hold(hf_model
     plain.graph.input.append(vi("flag", TensorProto.BOOL, [1]))
     bind_inputs(plain, {"flag": "1"})
     assert [d.dim_param for d in plain.graph.input[1].type.tensor_type.shape.dim] == ["batch", "seq"]
+
+
+def test_a_half_precision_input_is_bound_to_its_type():
+    """A bfloat16 input could not be bound ("its dtype bfloat16 cannot be bound": numpy does not
+    count ml_dtypes' bfloat16 as floating); float16 and bfloat16 take the value in their type."""
+    import ml_dtypes
+
+    from qtvm.frontend.bind import bound_value
+
+    for elem, dtype in [(TensorProto.FLOAT16, np.float16), (TensorProto.BFLOAT16, ml_dtypes.bfloat16)]:
+        value = bound_value(helper.make_tensor_value_info("t", elem, [2]), "0.1")
+        assert value.dtype == dtype and value.tolist() == [dtype(0.1)] * 2

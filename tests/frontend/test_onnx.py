@@ -238,3 +238,53 @@ def test_silero_vads_lstm_inside_its_if_branches_is_named():
     silero = pytest.importorskip("silero_vad", reason="silero-vad is installed by .ci/run")
     for name in ("silero_vad.onnx", "silero_vad_16k_op15.onnx", "silero_vad_half.onnx"):
         assert unsupported_ops(onnx.load(Path(silero.__file__).parent / "data" / name)) == ["LSTM"], name
+
+
+def test_nodes_out_of_order_are_sorted_on_load(tmp_path):
+    """onnxruntime's float16 converter (keep_io_types) appends the inputs' Casts after the nodes
+    reading them; onnxruntime runs that file, ONNX's checker refused it ("must be topologically
+    sorted"). load_onnx puts each node after what it reads, in If branches too and counting the
+    outer names a branch reads; the first ready node in the file goes first. The converted model
+    compiles and matches onnxruntime; a graph no order fixes is left for the checker to name."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from qtvm import runtime
+    from qtvm.frontend.onnx import validate
+    from qtvm.pipeline import compile_model
+
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2])  # noqa: E731
+    then = helper.make_graph([helper.make_node("Neg", ["u"], ["t"], name="b2"),
+                              helper.make_node("Add", ["r", "x"], ["u"], name="b1")], "then", [], [out("t")])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"], name="e1")], "else", [], [out("e")])
+    nodes = [helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other),
+             helper.make_node("Relu", ["x"], ["r"], name="relu"), helper.make_node("Abs", ["x"], ["z"], name="abs")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, []), out("x")],
+                              [out("y"), out("z")])
+    path = tmp_path / "shuffled.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    model = load_onnx(path)
+    assert [n.name for n in model.graph.node] == ["relu", "if", "abs"]
+    branch = next(a.g for a in model.graph.node[1].attribute if a.name == "then_branch")
+    assert [n.name for n in branch.node] == ["b1", "b2"]
+    validate(model)
+    feeds = {"c": np.array(True), "x": np.array([-1.5, 2.0], np.float32)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    assert [a.tolist() for a in run(model)] == [[1.5, -4.0], [1.5, 2.0]]
+
+    half = tmp_path / "mlp16.onnx"
+    onnx.save(convert_float_to_float16(mlp_model(), keep_io_types=True), str(half))
+    module = runtime.load(compile_model(half, tmp_path / "mlp16.so", "host", "none").path)
+    x = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
+    got = module.run({"x": x})
+    want = ort.InferenceSession(str(half), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.abs(got["y"] - want[0]).max() <= 4 * 2 ** -10 * np.abs(want[0]).max()
+
+    graph.node.append(helper.make_node("Sin", ["missing"], ["w"], name="sin"))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    broken = load_onnx(path)
+    assert [n.name for n in broken.graph.node] == ["if", "relu", "abs", "sin"]  # as stored
+    with pytest.raises(QtvmError, match="fails the ONNX checker"):
+        validate(broken)
