@@ -10,6 +10,10 @@ and these:
 - ``com.microsoft.GroupQueryAttention``: rotary embedding, the KV cache append, causal
   grouped-query attention, in one node.
 
+and the elementwise fusions onnxruntime's transformer optimizer (``onnxruntime.transformers.
+optimizer.optimize_model``, the usual step before its float16 conversion) writes: ``Gelu``,
+``BiasGelu``, ``FastGelu`` (tanh form) and ``QuickGelu``.
+
 GroupQueryAttention follows onnxruntime's CPU kernel, whose cache convention is per batch
 row: ``seqlens_k[b] + 1`` is the row's total length, its past ``p_b = seqlens_k[b] + 1 - S``
 (0 on the first prompt, ``S == total_sequence_length``), query ``s`` sits at position
@@ -109,6 +113,46 @@ def skip_layer_norm(imp, node, attrs):
     eps = float(attrs.get("epsilon", 1e-12))
     y = imp.emit(relax.op.nn.layer_norm(total, gamma, beta, axes=[-1], epsilon=eps))
     return _skip_outputs(node, y, total)
+
+
+def _elementwise(imp, node, body) -> relax.Expr:
+    """``body(inputs)`` on float32 copies of half precision inputs, cast back: onnxruntime's CPU
+    kernels of these ops compute in float32, their bias sum included (one rounding at the end)."""
+    xs = [_float_input(imp, node, i) for i in range(len(node.input)) if _input(node, i) is not None]
+    dtype = _dtype(xs[0])
+    wide = dtype in ("float16", "bfloat16")
+    if wide:
+        xs = [imp.emit(relax.op.astype(x, "float32")) for x in xs]
+    y = body(xs)
+    return imp.emit(relax.op.astype(y, dtype)) if wide else y
+
+
+def _biased(imp, node, xs) -> relax.Expr:
+    """x (+ bias): the sum a fused op computes first."""
+    return _broadcast(imp, node, relax.op.add, xs[0], xs[1], ("input", "bias")) if len(xs) > 1 else xs[0]
+
+
+@converter(f"{MS}.Gelu", f"{MS}.BiasGelu")
+def ms_gelu(imp, node, attrs):
+    """gelu(x (+ bias)), the erf form."""
+    return _elementwise(imp, node, lambda xs: imp.emit(relax.op.nn.gelu(_biased(imp, node, xs))))
+
+
+@converter(f"{MS}.FastGelu")
+def ms_fast_gelu(imp, node, attrs):
+    """gelu(x (+ bias)), the tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return _elementwise(imp, node, lambda xs: imp.emit(relax.op.nn.gelu_tanh(_biased(imp, node, xs))))
+
+
+@converter(f"{MS}.QuickGelu")
+def ms_quick_gelu(imp, node, attrs):
+    """x * sigmoid(alpha x), alpha 1.702 by default."""
+    alpha = float(attrs.get("alpha", 1.702))
+
+    def body(xs):
+        scaled = imp.emit(relax.op.multiply(xs[0], _const(alpha, _dtype(xs[0]))))
+        return imp.emit(relax.op.multiply(xs[0], imp.emit(relax.op.sigmoid(scaled))))
+    return _elementwise(imp, node, body)
 
 
 # GroupQueryAttention inputs past the ones read here, and attributes whose non-default values are refused

@@ -179,6 +179,68 @@ def test_skip_norm_mean_output_refused(tmp_path):
         _compile(tmp_path, model)
 
 
+# -- the transformer optimizer's elementwise fusions -------------------------------------------
+
+def _fusions(elem):
+    values = np.random.default_rng(2).standard_normal(64).astype(np.float16)  # float16 values in either type
+    bias = numpy_helper.from_array(values.astype(helper.tensor_dtype_to_np_dtype(elem)), "bias")
+    nodes = [helper.make_node("Gelu", ["x"], ["gelu"], domain=MS),
+             helper.make_node("BiasGelu", ["x", "bias"], ["bias_gelu"], domain=MS),
+             helper.make_node("FastGelu", ["x", "bias"], ["fast_gelu"], domain=MS),
+             helper.make_node("FastGelu", ["x"], ["fast_gelu_nobias"], domain=MS),
+             helper.make_node("QuickGelu", ["x"], ["quick_gelu"], domain=MS, alpha=1.5)]
+    d3 = ["batch", "seq", 64]
+    outs = [(n.output[0], elem, d3) for n in nodes]
+    return _model(nodes, [("x", elem, d3)], outs, [bias])
+
+
+def test_optimizer_fusions_against_onnxruntime(tmp_path):
+    """Gelu, BiasGelu, FastGelu (with and without its bias) and QuickGelu: what
+    onnxruntime's transformer optimizer writes for BERT's and GPT-2's MLPs (they were refused as
+    unsupported ops); float32 at three bindings, and float16 within one rounding of onnxruntime's
+    float32 result (its CPU kernels of these ops compute in float32)."""
+    model = _fusions(F32)
+    runs = [({"batch": b, "seq": s}, None, None) for b, s in ((1, 1), (2, 7), (3, 2))]
+    _against_onnxruntime(_compile(tmp_path, model), model, runs)
+
+    module = _compile(tmp_path, _fusions(TensorProto.FLOAT16), "half")
+    rng = np.random.default_rng(4)
+    feeds = {"x": (rng.standard_normal((2, 5, 64)) * 3).astype(np.float16)}
+    got = module.run(feeds)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {n: v.astype(np.float32) for n, v in feeds.items()})
+    for name, w in zip([o.name for o in model.graph.output], want):
+        half = w.astype(np.float16)  # one rounding
+        # + 1e-6: in the far negative tail (x < -4) 1 + erf and 1 + tanh cancel in float32, where TVM's
+        # and onnxruntime's approximations differ by up to 5e-7 (the outputs reach 9: ulp 0.008)
+        ulp = np.spacing(np.abs(half)).astype(np.float32) + 1e-6
+        assert (np.abs(got[name].astype(np.float32) - half.astype(np.float32)) <= ulp).all(), name
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_transformer_optimizer_output_compiles_and_matches(hf_model, tmp_path, family, half):
+    """transformers' legacy export through onnxruntime's transformer optimizer (BERT's MLP becomes
+    BiasGelu, GPT-2's FastGelu, the residual norms SkipLayerNormalization), and its float16
+    conversion (keep_io_types: Casts after their readers, put in order on load): compiled at
+    int4-g32, `qtvm check` against onnxruntime on the same file at three bindings."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from qtvm.check import check
+
+    optimized = optimize_model(str(hf_model(family, "legacy")), model_type=family, num_heads=4, hidden_size=64)
+    if half:
+        optimized.convert_float_to_float16(keep_io_types=True)
+    ops = {n.op_type for n in optimized.model.graph.node}
+    assert {"SkipLayerNormalization", "BiasGelu" if family == "bert" else "FastGelu"} <= ops
+    path = tmp_path / "optimized.onnx"
+    optimized.save_model_to_file(str(path))
+    result = compile_model(path, tmp_path / "m.so", "host", "int4-g32")
+    assert result.metadata["quantized_matmuls"] > 0
+    report = check(path, result.path)
+    assert len(report.rows) >= 3 and report.ok, [(r.binding, r.name, r.err_own, report.tolerance) for r in report.rows]
+
+
 # -- GatherBlockQuantized ----------------------------------------------------------------------
 
 def test_gather_block_quantized(tmp_path):
