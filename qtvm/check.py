@@ -163,10 +163,30 @@ def _evaluate(dim: str, binding: dict):
     return dimexpr.evaluate(dim, binding) if dimexpr.parse(dim) is not None else None
 
 
-def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, int_high: int = 16) -> dict:
+def index_bounds(model) -> dict[str, int]:
+    """Graph input -> the fewest rows of a constant table it indexes (a Gather of an initializer,
+    directly or through a Cast)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    casts = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast"}
+    out: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.op_type != "Gather" or len(n.input) < 2 or n.input[0] not in inits:
+            continue
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+        dims = inits[n.input[0]].dims
+        if not -len(dims) <= axis < len(dims):
+            continue
+        source = casts.get(n.input[1], n.input[1])
+        out[source] = min(out.get(source, dims[axis]), dims[axis])
+    return out
+
+
+def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, int_high: int = 16,
+                 index_bounds: dict | None = None) -> dict:
     """Float inputs ~ N(0, 1); integer inputs in [0, int_high) (valid token ids for any real
-    vocabulary), except ones named as masks: all 1 (no padding; a mask of 15s makes a
-    transformer's output chaotic); booleans at random."""
+    vocabulary), or below the rows of the tables they index where fewer (``index_bounds``: BERT's
+    token_type_ids index a table of 2), except ones named as masks: all 1 (no padding; a mask
+    of 15s makes a transformer's output chaotic); booleans at random."""
     feeds = {}
     for spec in inputs:
         shape = []
@@ -189,7 +209,8 @@ def random_feeds(inputs: list[dict], binding: dict, rng: np.random.Generator, in
         elif dtype.startswith(("int", "uint")) and "mask" in spec["name"].lower():
             feeds[spec["name"]] = np.ones(shape, dtype)
         elif dtype.startswith(("int", "uint")):
-            feeds[spec["name"]] = rng.integers(0, int_high, shape).astype(dtype)
+            high = min(int_high, (index_bounds or {}).get(spec["name"], int_high))
+            feeds[spec["name"]] = rng.integers(0, max(high, 1), shape).astype(dtype)
         elif dtype == "bfloat16":  # numpy has no bfloat16: ml_dtypes' (onnx's own dependency)
             import ml_dtypes
 
@@ -540,7 +561,8 @@ def check(model_path, artefact, bindings: list[dict] | None = None, feeds: dict 
                 value = _evaluate(expr, b)
                 if name not in b and value is not None:
                     b[name] = value
-        runs = [(b, {**random_feeds(module.inputs, b, rng, int_high), **(feeds or {})}) for b in bindings]
+        bounds = index_bounds(model)
+        runs = [(b, {**random_feeds(module.inputs, b, rng, int_high, bounds), **(feeds or {})}) for b in bindings]
     for binding, feed in runs:
         model_feed = {**feed, **bound, **_unread_feeds(unread, binding)}
         want_float = _run(float_sess, model_feed, binding)

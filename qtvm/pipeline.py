@@ -20,6 +20,7 @@ from qtvm.errors import QtvmError
 from qtvm.formats import get_format
 from qtvm.frontend.importer import import_facts
 from qtvm.frontend.onnx import OnnxSummary, import_onnx, load_onnx, rename_dims, summarize, validate
+from qtvm.frontend.ort_fused import NOTE_KEY
 from qtvm.target import cpu_flags_required, gpu_required, parse_target, with_host
 
 METADATA_FUNC = "qtvm_metadata"
@@ -113,6 +114,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
         fmt = None if quant == FLOAT else get_format(quant)
         gptq = GptqCheckpoint(gptq, gptq_format) if gptq is not None else None
     model = load_onnx(model_path, lazy=True)  # external weights read as each is imported
+    fused_notes = [p.value for p in model.metadata_props if p.key.startswith(NOTE_KEY)]
     bind_notes = bind_inputs(model, binds or {})
     rename_dims(model, dims or {})
     validate(model, f"'{model_path}'")
@@ -123,7 +125,7 @@ def build_module(model_path, target: str | tvm.target.Target = "host", quant: st
     del model, lowered.model  # the weights are the module's constants now: no second copy while packing
     facts = import_facts(mod)
     mod = safe_gather(mod)
-    notes = bind_notes + gptq_notes + list(lowered.notes)
+    notes = fused_notes + bind_notes + gptq_notes + list(lowered.notes)
     from relay_passes.fp32_accumulate import fp32_accumulate
 
     mod, widened = fp32_accumulate(mod)

@@ -37,7 +37,8 @@ class OnnxSummary:
 
 
 def load_onnx(path: str | os.PathLike, lazy: bool = False) -> onnx.ModelProto:
-    """The model at ``path``. ``lazy``: initializers stored in external files stay there (their
+    """The model at ``path``, its nodes in order (``sort_nodes``) and onnxruntime's fused BERT ops
+    written as standard ops (``qtvm.frontend.ort_fused``: notes in metadata_props). ``lazy``: initializers stored in external files stay there (their
     locations made absolute) and are read one at a time where used (``tensor_array``): the
     compile imports each into TVM's memory, so loading them all first held every weight twice
     (protobuf frees nothing of a loaded message until the whole message goes)."""
@@ -57,6 +58,10 @@ def load_onnx(path: str | os.PathLike, lazy: bool = False) -> onnx.ModelProto:
     if lazy:
         _locate_external_data(model, path.parent)
     sort_nodes(model.graph)
+    from qtvm.frontend.ort_fused import NOTE_KEY, decompose_fused
+
+    for i, note in enumerate(decompose_fused(model)):  # onnxruntime's fused BERT ops as the standard ops they fuse
+        model.metadata_props.add(key=f"{NOTE_KEY}.{i}", value=note)
     return model
 
 
