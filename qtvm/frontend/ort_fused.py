@@ -9,8 +9,8 @@ summary counts it, the quantizer packs it, ``qtvm check``'s reference dequantize
 onnxruntime runs the same graph as the reference. tests/frontend/test_ort_fused.py holds each
 decomposition to onnxruntime's own kernel of the fused op at several bindings.
 
-What a decomposition does not model (a past state, rotary inside Attention, the 2 x batch and
-4-D mask forms) is refused by name (``QtvmError``), not left for a wrong answer.
+What a decomposition does not model (rotary inside Attention, a shared past/present buffer, the
+2 x batch and 4-D mask forms) is refused by name (``QtvmError``), not left for a wrong answer.
 """
 from __future__ import annotations
 
@@ -88,14 +88,17 @@ def _float_type(node, elem: int | None) -> int:
 
 
 def _attention(node, index: int, opset: int, types: dict, shapes: dict, batch: set) -> _Emit:
-    """Attention(x, W, bias, mask_index, -, attention_bias): x @ W + bias split into Q, K, V by
-    ``qkv_hidden_sizes`` (default three equal parts), heads of ``num_heads``, softmax(scale Q K^T
+    """Attention(x, W, bias, mask_index, past, attention_bias) -> (y, present): x @ W + bias split into Q, K, V by
+    ``qkv_hidden_sizes`` (default three equal parts), heads of ``num_heads``, K and V after past's
+    (present: both), softmax(scale Q K^T
     + the mask's and causal ``mask_filter_value``s + attention_bias) V, heads joined: onnxruntime's
     CPU kernel, the mask added after scaling as its GEMM does. ``batch``: the names and sizes a
     batch dim has in this graph (a 1-D mask_index must be one: the [2 x batch] form is refused)."""
     a = _attrs(node)
-    if _given(node, 4) or _given(node, 6) or len(node.output) > 1 and node.output[1]:
-        _refuse(node, "past state (past, past_sequence_length, present)")
+    past = _given(node, 4)
+    present = node.output[1] if len(node.output) > 1 and node.output[1] else None
+    if _given(node, 6):
+        _refuse(node, "past_sequence_length input (a shared past/present buffer)")
     if a.get("do_rotary", 0):
         _refuse(node, "rotary embedding (do_rotary=1)")
     if a.get("past_present_share_buffer", 0):
@@ -107,6 +110,8 @@ def _attention(node, index: int, opset: int, types: dict, shapes: dict, batch: s
     sizes = [int(s) for s in a.get("qkv_hidden_sizes", [])] or [w[1] // 3] * 3
     if sum(sizes) != w[1] or any(s % heads for s in sizes) or sizes[0] != sizes[1]:
         _refuse(node, f"qkv_hidden_sizes {sizes} against weights {list(w)} and {heads} heads")
+    if (past or present) and sizes[2] != sizes[0]:
+        _refuse(node, f"past state with V heads of another size than K's (qkv_hidden_sizes {sizes})")
     elem = _float_type(node, types.get(node.input[0]) or types.get(node.input[1]))
     dtype = _HALF[elem]
     head_q, head_v = sizes[0] // heads, sizes[2] // heads
@@ -120,11 +125,16 @@ def _attention(node, index: int, opset: int, types: dict, shapes: dict, batch: s
     q, k, v = (e.op("Slice", [qkv, e.const([lo], np.int64), e.const([hi], np.int64), e.const([-1], np.int64)])
                for lo, hi in zip(bounds[:-1], bounds[1:]))
 
-    def heads_first(x, size, perm):  # [B, S, heads * size] -> [B, heads, S, size] (K: [B, heads, size, S])
-        return e.op("Transpose", [e.op("Reshape", [x, e.const([0, 0, heads, size], np.int64)])], perm=perm)
+    def heads_first(x, size):  # [B, S, heads * size] -> [B, heads, S, size]
+        return e.op("Transpose", [e.op("Reshape", [x, e.const([0, 0, heads, size], np.int64)])], perm=[0, 2, 1, 3])
 
-    q, kt, v = heads_first(q, head_q, [0, 2, 1, 3]), heads_first(k, head_q, [0, 2, 3, 1]), heads_first(v, head_v, [0, 2, 1, 3])
-    scores = e.op("Mul", [e.op("MatMul", [q, kt]), e.const(scale, dtype)])
+    q, k, v = heads_first(q, head_q), heads_first(k, head_q), heads_first(v, head_v)
+    if past:  # past [2, B, heads, P, size]: the keys and values are past's, then this step's
+        k, v = (e.op("Concat", [e.op("Gather", [past, e.const(i, np.int64)], axis=0), x], axis=2)
+                for i, x in ((0, k), (1, v)))
+    if present:  # [2, B, heads, P + S, size]
+        e.op("Concat", [e.unsqueeze(k, [0]), e.unsqueeze(v, [0])], present, axis=0)
+    scores = e.op("Mul", [e.op("MatMul", [q, e.op("Transpose", [k], perm=[0, 1, 3, 2])]), e.const(scale, dtype)])
     zero, filled = e.const(0, dtype), e.const(fill, dtype)
 
     def additive(valid, axes):  # bool -> 0 where valid, mask_filter_value where not, unsqueezed to 4-D
@@ -139,7 +149,7 @@ def _attention(node, index: int, opset: int, types: dict, shapes: dict, batch: s
                           "the [2 x batch] end/start form is not (its length is not the batch's dim)")
         if rank == 1:  # key lengths [B]: key j of row b is masked from j = length[b]
             ends = e.unsqueeze(e.op("Cast", [mask], to=TensorProto.INT64), [1])
-            keys = e.unsqueeze(e.arange(node.input[0], 1), [0])  # the keys are the queries (no past)
+            keys = e.unsqueeze(e.arange(k, 2), [0])  # past's keys, then this step's
             scores = e.op("Add", [scores, additive(e.op("Less", [keys, ends]), [1, 2])])
         elif rank in (2, 3):  # raw masks [B, T] / [B, S, T]: 0 masks
             valid = e.op("Greater", [e.op("Cast", [mask], to=TensorProto.INT64), e.const(0, np.int64)])
@@ -147,9 +157,11 @@ def _attention(node, index: int, opset: int, types: dict, shapes: dict, batch: s
         else:
             _refuse(node, f"mask_index of {f'rank {rank}' if rank else 'unknown shape'} (key lengths [batch] and "
                           "raw masks [batch, seq] or [batch, seq, seq] are read)")
-    if a.get("unidirectional", 0):  # key j > query i masked
-        idx = e.arange(node.input[0], 1)
-        future = e.op("Greater", [e.unsqueeze(idx, [0]), e.unsqueeze(idx, [1])])
+    if a.get("unidirectional", 0):  # key j > query i's position (past length + i) masked
+        keys = e.arange(k, 2)
+        offset = e.op("Sub", [e.length(k, 2), e.length(node.input[0], 1)])
+        queries = e.op("Add", [e.arange(node.input[0], 1), offset])
+        future = e.op("Greater", [e.unsqueeze(keys, [0]), e.unsqueeze(queries, [1])])
         scores = e.op("Add", [scores, additive(e.op("Not", [future]), [0, 1])])
     if _given(node, 5):
         scores = e.op("Add", [scores, node.input[5]])

@@ -114,6 +114,69 @@ def test_attention_compiles_to_the_fused_ops_outputs(tmp_path, mask, unidirectio
     assert report.ok and report.rows[0].err_vs_float > 10 * report.rows[0].err_own  # quantized, and held to it
 
 
+def _attention_with_past(mask: str, unidirectional: int):
+    """GPT-2's fused attention with a cache: x [b, s, 16], past [2, b, 2, past, 8] -> y, present;
+    ``mask`` none, raw [b, past + s] or key lengths [b]."""
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array((rng.standard_normal((16, 48)) * 0.3).astype(np.float32), "w")
+    b = numpy_helper.from_array((rng.standard_normal(48) * 0.1).astype(np.float32), "b")
+    inputs = [("x", F32, ["batch", "seq", 16]), ("past", F32, [2, "batch", 2, "past", 8])]
+    names = ["x", "w", "b", "", "past"]
+    if mask != "none":
+        inputs.append(("mask", I32, {"raw2d": ["batch", "past + seq"], "lengths": ["batch"]}[mask]))
+        names[3] = "mask"
+    node = helper.make_node("Attention", names, ["y", "present"], domain=MS, num_heads=2,
+                            unidirectional=unidirectional)
+    return _model([node], inputs, [("y", F32, ["batch", "seq", 16]), ("present", F32, [2, "batch", 2, "past + seq", 8])],
+                  [w, b], 17)
+
+
+def _past_feeds(mask: str, batch: int, seq: int, past: int, seed: int = 4) -> dict:
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal((batch, seq, 16)).astype(np.float32),
+             "past": rng.standard_normal((2, batch, 2, past, 8)).astype(np.float32)}
+    starts = np.minimum(np.arange(batch) * 2, past)  # row r left-padded by 2r (within the past)
+    if mask == "raw2d":
+        feeds["mask"] = (np.arange(past + seq)[None, :] >= starts[:, None]).astype(np.int32)
+    elif mask == "lengths":
+        feeds["mask"] = np.maximum(past + seq - np.arange(batch), 1).astype(np.int32)
+    return feeds
+
+
+PAST_BINDINGS = [(1, 1, 0), (1, 1, 5), (2, 3, 4), (3, 1, 7)]  # batch, seq, past (0: the prompt)
+
+
+@pytest.mark.parametrize("mask,unidirectional", [("none", 1), ("raw2d", 1), ("raw2d", 0), ("lengths", 1)])
+def test_attention_with_a_past_state_is_onnxruntimes_kernel(tmp_path, mask, unidirectional):
+    """A past state (GPT-2 through onnxruntime's optimizer with a cache): y and present of the
+    standard ops are the fused kernel's, causal from each query's position after the past, at
+    prompt (past 0) and decode bindings, left-padded rows."""
+    model = _attention_with_past(mask, unidirectional)
+    _, loaded = _loaded(tmp_path, model)
+    assert not any(n.domain == MS for n in loaded.graph.node)
+    for batch, seq, past in PAST_BINDINGS:
+        feeds = _past_feeds(mask, batch, seq, past)
+        want, got = _run(model, feeds), _run(loaded, feeds)
+        assert got[1].shape == (2, batch, 2, past + seq, 8)
+        for w_, g in zip(want, got):
+            assert np.abs(g - w_).max() <= 2e-6, (batch, seq, past)
+
+
+def test_attention_with_a_past_state_compiles(tmp_path):
+    """Compiled float, the cache an input and present an output: within float rounding of the
+    fused kernel at each binding."""
+    from qtvm import runtime
+
+    model = _attention_with_past("raw2d", 1)
+    path, _ = _loaded(tmp_path, model)
+    module = runtime.load(compile_model(path, tmp_path / "f.so", "host", "none").path)
+    for batch, seq, past in PAST_BINDINGS:
+        feeds = _past_feeds("raw2d", batch, seq, past)
+        want = _run(model, feeds)
+        got = module.run(feeds)
+        assert np.abs(got["y"] - want[0]).max() <= 2e-6 and np.abs(got["present"] - want[1]).max() <= 1e-7
+
+
 def _embed(opset: int, segments: bool, mask: bool, positions: bool):
     rng = np.random.default_rng(2)
     tables = {"word": (30, 16), "pos": (40, 16), "seg": (2, 16)}
@@ -160,10 +223,11 @@ def test_embed_layer_norm_written_as_standard_ops_is_onnxruntimes_kernel(tmp_pat
 
 
 def test_forms_not_modelled_are_refused_by_name(tmp_path):
-    """A past state, rotary inside the op, the [2 x batch] key-range mask, a 4-D mask: each named,
+    """A shared past/present buffer, rotary inside the op, the [2 x batch] key-range mask, a 4-D mask: each named,
     in one line, on load (not left to a wrong answer)."""
     base = _attention("none", 17)
-    cases = {"past state": dict(inputs=["x", "w", "b", "", "past"], extra=("past", F32, [2, "batch", 2, "p", 8])),
+    cases = {"shared past/present buffer": dict(attrs={"past_present_share_buffer": 1}),
+             "past_sequence_length": dict(inputs=["x", "w", "b", "", "", "", "plen"], extra=("plen", I32, [1])),
              "rotary": dict(attrs={"do_rotary": 1}),
              "2 x batch": dict(inputs=["x", "w", "b", "mask"], extra=("mask", I32, ["two_batch"])),
              "rank 4": dict(inputs=["x", "w", "b", "mask"], extra=("mask", I32, ["batch", 1, 8, 8]))}
