@@ -164,16 +164,18 @@ def _evaluate(dim: str, binding: dict):
 
 
 def index_bounds(model) -> dict[str, int]:
-    """Graph input -> the fewest rows of a constant table it indexes (a Gather of an initializer,
-    directly or through a Cast)."""
+    """Graph input -> the fewest rows of a constant table it indexes (a Gather of an initializer or
+    of its DequantizeLinear, indexed directly or through a Cast)."""
     inits = {t.name: t for t in model.graph.initializer}
     casts = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast"}
+    dequantized = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     out: dict[str, int] = {}
     for n in model.graph.node:
-        if n.op_type != "Gather" or len(n.input) < 2 or n.input[0] not in inits:
+        table = dequantized.get(n.input[0], n.input[0]) if n.input else None  # a quantized table's codes
+        if n.op_type != "Gather" or len(n.input) < 2 or table not in inits:
             continue
         axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-        dims = inits[n.input[0]].dims
+        dims = inits[table].dims
         if not -len(dims) <= axis < len(dims):
             continue
         source = casts.get(n.input[1], n.input[1])

@@ -9,6 +9,9 @@ summary counts it, the quantizer packs it, ``qtvm check``'s reference dequantize
 onnxruntime runs the same graph as the reference. tests/frontend/test_ort_fused.py holds each
 decomposition to onnxruntime's own kernel of the fused op at several bindings.
 
+quantize_dynamic's QAttention and QEmbedLayerNormalization are the float ops on DequantizeLinear'd
+inputs (the int8 weight then reads as quantized ONNX).
+
 What a decomposition does not model (rotary inside Attention, a shared past/present buffer, the
 2 x batch and 4-D mask forms) is refused by name (``QtvmError``), not left for a wrong answer.
 """
@@ -208,7 +211,56 @@ def _embed_layer_norm(node, index: int, opset: int, types: dict, shapes: dict, b
     return e
 
 
-_DECOMPOSE = {"Attention": _attention, "EmbedLayerNormalization": _embed_layer_norm}
+def _dequantized(node, index: int, opset: int, types: dict, shapes: dict, batch: set, float_op: str,
+                 quantized: dict[int, tuple[int, int | None, int]], keep: dict[int, int]):
+    """A quantized fused op (onnxruntime's quantize_dynamic of an optimized BERT) as its float op
+    on DequantizeLinear'd inputs: ``quantized`` maps the float op's input to (codes, scale,
+    zero point) inputs of ``node``, ``keep`` the float op's other inputs to ``node``'s. The
+    weights' DequantizeLinear is what qtvm reads as quantized ONNX (the int8 codes kept)."""
+    e = _Emit(node, index, opset)
+    inputs = [""] * (max([*quantized, *keep]) + 1)
+    for to, (codes, scale, zero) in quantized.items():
+        if not _given(node, codes):
+            continue
+        scale_shape = shapes.get(node.input[scale])
+        per_column = bool(scale_shape) and int(np.prod(scale_shape)) > 1
+        if per_column and opset < 13:
+            _refuse(node, f"per-column scales at opset {opset} (13 or later: DequantizeLinear's axis)")
+        args = [node.input[codes], node.input[scale]] + ([node.input[zero]] if zero is not None and _given(node, zero) else [])
+        inputs[to] = e.op("DequantizeLinear", args, **({"axis": 1} if per_column else {}))
+        types[inputs[to]] = types.get(node.input[scale], TensorProto.FLOAT)
+        if node.input[codes] in shapes:
+            shapes[inputs[to]] = shapes[node.input[codes]]
+    for to, source in keep.items():
+        inputs[to] = _given(node, source) or ""
+    while inputs and not inputs[-1]:
+        inputs.pop()
+    float_node = helper.make_node(float_op, inputs, list(node.output), name=f"{node.name or node.op_type}.float",
+                                  domain=MS)
+    float_node.attribute.extend(node.attribute)
+    inner = _DECOMPOSE[float_op](float_node, index, opset, types, shapes, batch)
+    e.nodes.extend(inner.nodes)
+    e.inits.extend(inner.inits)
+    return e
+
+
+def _q_attention(node, index, opset, types, shapes, batch):
+    """QAttention(x codes, W codes, bias, x scale, W scale, mask_index, x zero, W zero, past): the
+    Attention of the dequantized x and W (onnxruntime's integer GEMM, then both scales: the same
+    product up to float rounding)."""
+    return _dequantized(node, index, opset, types, shapes, batch, "Attention", {0: (0, 3, 6), 1: (1, 4, 7)},
+                        {2: 2, 3: 5, 4: 8})
+
+
+def _q_embed_layer_norm(node, index, opset, types, shapes, batch):
+    """QEmbedLayerNormalization(ids, segment_ids, word, position, segment, gamma, beta codes,
+    mask, their scales, their zero points): EmbedLayerNormalization of the dequantized tables."""
+    return _dequantized(node, index, opset, types, shapes, batch, "EmbedLayerNormalization",
+                        {i: (i, i + 6, i + 11) for i in range(2, 7)}, {0: 0, 1: 1, 7: 7})
+
+
+_DECOMPOSE = {"Attention": _attention, "EmbedLayerNormalization": _embed_layer_norm,
+              "QAttention": _q_attention, "QEmbedLayerNormalization": _q_embed_layer_norm}
 
 
 def decompose_fused(model: onnx.ModelProto) -> list[str]:
@@ -219,8 +271,8 @@ def decompose_fused(model: onnx.ModelProto) -> list[str]:
 
     graph = model.graph
     notes = []
-    for op_type in ("EmbedLayerNormalization", "Attention"):
-        found = {i for i, n in enumerate(graph.node) if n.domain == MS and n.op_type == op_type}
+    for op_types in (("EmbedLayerNormalization", "QEmbedLayerNormalization"), ("Attention", "QAttention")):
+        found = {i for i, n in enumerate(graph.node) if n.domain == MS and n.op_type in op_types}
         if not found:
             continue
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
@@ -228,13 +280,18 @@ def decompose_fused(model: onnx.ModelProto) -> list[str]:
             _refuse(graph.node[min(found)], f"graph's opset {opset} (11 or later: Range)")
         types, shapes = _facts(model, weightless_copy)
         batch = {shapes[v.name][0] for v in graph.input if len(shapes.get(v.name) or ()) >= 2} - {None}
+        for op_type in op_types:  # noted before the nodes are replaced
+            count = sum(graph.node[i].op_type == op_type for i in found)
+            if count:
+                notes.append(f"onnxruntime's fused {op_type} x{count} written as standard ops"
+                             + (" (its QKV weight a MatMul weight)" if op_type.endswith("Attention") else ""))
         nodes, inits = [], []
         for i, node in enumerate(graph.node):
             if i not in found:
                 nodes.append(node)
                 continue
-            e = _DECOMPOSE[op_type](node, i, opset, types, shapes,
-                                    batch | {(shapes.get(node.input[0]) or [None])[0]} - {None})
+            e = _DECOMPOSE[node.op_type](node, i, opset, types, shapes,
+                                         batch | {(shapes.get(node.input[0]) or [None])[0]} - {None})
             nodes.extend(e.nodes)
             inits.extend(e.inits)
         copies = [onnx.NodeProto() for _ in nodes]
@@ -243,8 +300,6 @@ def decompose_fused(model: onnx.ModelProto) -> list[str]:
         del graph.node[:]
         graph.node.extend(copies)
         graph.initializer.extend(inits)
-        notes.append(f"onnxruntime's fused {op_type} x{len(found)} written as standard ops"
-                     + (" (its QKV weight a MatMul weight)" if op_type == "Attention" else ""))
     return notes
 
 

@@ -33,9 +33,11 @@ def _run(model, feeds):
     return sess.run(None, feeds)
 
 
-def _attention(mask: str, opset: int, unidirectional: int = 0, bias: bool = False, v_size: int = 24):
+def _attention(mask: str, opset: int, unidirectional: int = 0, bias: bool = False, v_size: int = 24,
+               sizes_attr: bool = True):
     """x [b, s, 16] -> Attention(num_heads 2, q/k 16, v ``v_size``) with ``mask``: none, key
-    lengths [b], raw [b, s] or [b, s, s]; ``bias``: an attention_bias [1, 2, s, s] input."""
+    lengths [b], raw [b, s] or [b, s, s]; ``bias``: an attention_bias [1, 2, s, s] input;
+    ``sizes_attr``: qkv_hidden_sizes stated (onnxruntime's quantizer leaves such a node float)."""
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array((rng.standard_normal((16, 32 + v_size)) * 0.3).astype(np.float32), "w")
     b = numpy_helper.from_array((rng.standard_normal(32 + v_size) * 0.1).astype(np.float32), "b")
@@ -48,8 +50,9 @@ def _attention(mask: str, opset: int, unidirectional: int = 0, bias: bool = Fals
     if bias:
         inputs.append(("bias", F32, [1, 2, "seq", "seq"]))
         names += [""] * (4 - len(names)) + ["", "bias"]
+    sizes = {"qkv_hidden_sizes": [16, 16, v_size]} if sizes_attr else {}
     node = helper.make_node("Attention", names, ["y"], domain=MS, num_heads=2, unidirectional=unidirectional,
-                            qkv_hidden_sizes=[16, 16, v_size], mask_filter_value=-5000.0)
+                            mask_filter_value=-5000.0, **sizes)
     return _model([node], inputs, [("y", F32, ["batch", "seq", v_size])], [w, b], opset)
 
 
@@ -177,7 +180,7 @@ def test_attention_with_a_past_state_compiles(tmp_path):
         assert np.abs(got["y"] - want[0]).max() <= 2e-6 and np.abs(got["present"] - want[1]).max() <= 1e-7
 
 
-def _embed(opset: int, segments: bool, mask: bool, positions: bool):
+def _embed(opset: int, segments: bool, mask: bool, positions: bool, with_sum: bool = True):
     rng = np.random.default_rng(2)
     tables = {"word": (30, 16), "pos": (40, 16), "seg": (2, 16)}
     inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in tables.items()]
@@ -189,8 +192,9 @@ def _embed(opset: int, segments: bool, mask: bool, positions: bool):
     for used, name in ((segments, "segment_ids"), (mask, "mask"), (positions, "position_ids")):
         if used:
             inputs.append((name, I32, ["batch", "seq"]))
-    node = helper.make_node("EmbedLayerNormalization", names, ["y", "mask_index", "sum"], domain=MS, epsilon=1e-5)
     outputs = [("y", F32, ["batch", "seq", 16]), ("mask_index", I32, ["batch"]), ("sum", F32, ["batch", "seq", 16])]
+    outputs = outputs if with_sum else outputs[:2]  # onnxruntime's quantizer leaves a node with the sum float
+    node = helper.make_node("EmbedLayerNormalization", names, [o[0] for o in outputs], domain=MS, epsilon=1e-5)
     return _model([node], inputs, outputs, inits, opset)
 
 
@@ -218,6 +222,64 @@ def test_embed_layer_norm_written_as_standard_ops_is_onnxruntimes_kernel(tmp_pat
         want = _run(model, feeds)
         got = module.run(feeds)
         for name, w, g in zip(["y", "mask_index", "sum"], want, _run(loaded, feeds)):
+            assert np.abs(g.astype(np.float64) - w).max() <= 2e-6, (name, batch, seq)
+            assert np.abs(got[name].astype(np.float64) - w).max() <= 2e-6, (name, batch, seq)
+
+
+def _quantize_dynamic(tmp_path, model, per_channel: bool, name: str) -> onnx.ModelProto:
+    """onnxruntime's quantize_dynamic of ``model``: Attention -> QAttention (x by
+    DynamicQuantizeLinear, W int8 per tensor or per column), EmbedLayerNormalization ->
+    QEmbedLayerNormalization (uint8 tables)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src, out = tmp_path / f"{name}_float.onnx", tmp_path / f"{name}.onnx"
+    onnx.save(model, str(src))
+    quantize_dynamic(str(src), str(out), per_channel=per_channel, weight_type=QuantType.QInt8,
+                     extra_options={"DefaultTensorType": TensorProto.FLOAT})
+    return onnx.load(str(out))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("mask", ["lengths", "raw2d"])
+def test_quantize_dynamics_qattention_is_onnxruntimes_kernel(tmp_path, mask, per_channel):
+    """QAttention from onnxruntime's quantizer: the Attention of x and W dequantized (W's int8
+    codes read as quantized ONNX: one packed matmul), against onnxruntime's integer kernel at
+    each binding, loaded and compiled."""
+    from qtvm import runtime
+
+    model = _quantize_dynamic(tmp_path, _attention(mask, 17, v_size=16, sizes_attr=False), per_channel, "qa")
+    assert [n.op_type for n in model.graph.node].count("QAttention") == 1
+    path, loaded = _loaded(tmp_path, model, "qa_saved")
+    assert not any(n.domain == MS for n in loaded.graph.node)
+    result = compile_model(path, tmp_path / "qa.so", "host", "none")
+    assert result.metadata.get("quantized_matmuls", 0) == 1
+    assert any("fused QAttention x1" in n for n in result.notes)
+    module = runtime.load(result.path)
+    for batch, seq in BINDINGS:
+        feeds = _attention_feeds(mask, batch, seq, False)
+        [want], [got] = _run(model, feeds), _run(loaded, feeds)
+        assert np.abs(got - want).max() <= 1e-5, (batch, seq)  # integer GEMM then scales vs dequantized
+        assert np.abs(module.run(feeds)["y"] - want).max() <= 1e-5, (batch, seq)
+
+
+def test_quantize_dynamics_qembed_layer_norm_is_onnxruntimes_kernel(tmp_path):
+    """QEmbedLayerNormalization (uint8 tables, scales, zero points): EmbedLayerNormalization of
+    the tables dequantized, against onnxruntime's kernel, loaded and compiled."""
+    from qtvm import runtime
+
+    model = _quantize_dynamic(tmp_path, _embed(14, True, True, False, with_sum=False), False, "qe")
+    assert [n.op_type for n in model.graph.node].count("QEmbedLayerNormalization") == 1
+    path, loaded = _loaded(tmp_path, model, "qe_saved")
+    assert not any(n.domain == MS for n in loaded.graph.node)
+    module = runtime.load(compile_model(path, tmp_path / "qe.so", "host", "none").path)
+    rng = np.random.default_rng(6)
+    names = [o.name for o in model.graph.output]
+    for batch, seq in BINDINGS:
+        feeds = {"ids": rng.integers(0, 30, (batch, seq)).astype(np.int32),
+                 "segment_ids": rng.integers(0, 2, (batch, seq)).astype(np.int32),
+                 "mask": rng.integers(0, 2, (batch, seq)).astype(np.int32)}
+        want, got = _run(model, feeds), module.run(feeds)
+        for name, w, g in zip(names, want, _run(loaded, feeds)):
             assert np.abs(g.astype(np.float64) - w).max() <= 2e-6, (name, batch, seq)
             assert np.abs(got[name].astype(np.float64) - w).max() <= 2e-6, (name, batch, seq)
 
@@ -304,3 +366,25 @@ def test_bert_through_onnxruntimes_optimizer_compiles_and_matches(tmp_path):
             assert report.ok, [(r.binding, r.err_own) for r in report.rows]
             if quant == "none":
                 assert max(r.err_vs_float for r in report.rows) <= 1e-6  # the fused file, run by onnxruntime
+
+
+def test_bert_through_the_optimizer_and_quantize_dynamic_compiles_and_matches(tmp_path):
+    """onnxruntime's BERT quantization recipe (optimize_model, then quantize_dynamic: QAttention,
+    QEmbedLayerNormalization, MatMulInteger): every matmul read as quantized, checked against
+    onnxruntime on the quantized file at qtvm check's bindings and with padded masks."""
+    from qtvm.check import check
+
+    model = _quantize_dynamic(tmp_path, onnx.load(str(_optimized_bert(tmp_path))), False, "bert_q")
+    ops = {n.op_type for n in model.graph.node}
+    assert {"QAttention", "QEmbedLayerNormalization", "MatMulInteger"} <= ops
+    path = tmp_path / "bert_q.onnx"
+    rng = np.random.default_rng(7)
+    mask = np.ones((3, 9), np.int64)
+    mask[1, 6:], mask[2, 2:] = 0, 0
+    feeds = {"input_ids": rng.integers(0, 64, (3, 9)), "attention_mask": mask,
+             "token_type_ids": rng.integers(0, 2, (3, 9))}
+    result = compile_model(path, tmp_path / "bert_q.so", "host", "none")
+    assert result.metadata.get("quantized_matmuls", 0) == 8
+    for given in (None, feeds):
+        report = check(path, result.path, feeds=given, bindings=[{"batch": 3, "seq": 9}] if given else None)
+        assert report.ok and max(r.err_vs_float for r in report.rows) <= 1e-5, [(r.binding, r.err_vs_float) for r in report.rows]
