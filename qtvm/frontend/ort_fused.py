@@ -238,7 +238,11 @@ def _dequantized(node, index: int, opset: int, types: dict, shapes: dict, batch:
     float_node = helper.make_node(float_op, inputs, list(node.output), name=f"{node.name or node.op_type}.float",
                                   domain=MS)
     float_node.attribute.extend(node.attribute)
-    inner = _DECOMPOSE[float_op](float_node, index, opset, types, shapes, batch)
+    try:
+        inner = _DECOMPOSE[float_op](float_node, index, opset, types, shapes, batch)
+    except QtvmError as err:  # named as the user's file names it
+        raise QtvmError(err.problem.replace(f"{MS}.{float_op} '{float_node.name}'", f"{MS}.{node.op_type} '{node.name}'"),
+                        err.fix) from None
     e.nodes.extend(inner.nodes)
     e.inits.extend(inner.inits)
     return e

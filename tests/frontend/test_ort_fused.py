@@ -284,6 +284,17 @@ def test_quantize_dynamics_qembed_layer_norm_is_onnxruntimes_kernel(tmp_path):
             assert np.abs(got[name].astype(np.float64) - w).max() <= 2e-6, (name, batch, seq)
 
 
+def test_a_qattention_refused_is_named_as_in_the_file(tmp_path):
+    """A QAttention of a form not modelled is refused under its own name, not the Attention it is read as."""
+    model = _quantize_dynamic(tmp_path, _attention("raw2d", 17, v_size=16, sizes_attr=False), False, "qr")
+    node = next(n for n in model.graph.node if n.op_type == "QAttention")
+    node.attribute.append(helper.make_attribute("do_rotary", 1))
+    path = tmp_path / "qr_rotary.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(QtvmError, match=f"com.microsoft.QAttention '{node.name}': qtvm does not read its rotary"):
+        load_onnx(path)
+
+
 def test_forms_not_modelled_are_refused_by_name(tmp_path):
     """A shared past/present buffer, rotary inside the op, the [2 x batch] key-range mask, a 4-D mask: each named,
     in one line, on load (not left to a wrong answer)."""
