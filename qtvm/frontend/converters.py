@@ -236,9 +236,74 @@ def top_k(imp, node, attrs):
     """``sorted=0`` leaves the order of the k values to the implementation (ONNX); TVM's
     converter refuses it, so it gets sorted=1, one valid order (GLM-4-MoE's and DeepSeek-V3's
     group-limited routers pick groups so; what they do with the picks does not depend on it)."""
+    k = imp.known_input(node, 1)
+    if k is not None and k.symbolic:
+        return _sort_whole_axis(imp, node, attrs, k.ints()[0])
     if attrs.get("sorted", 1) == 0:
         return imp.tvm_convert(node, {**attrs, "sorted": 1})
     return None
+
+
+def _sort_whole_axis(imp, node, attrs, k):
+    """TopK whose k is an expression of the dims: torch.onnx writes ``torch.sort`` and
+    ``argsort`` so, with k the axis's length (JetMoE's router sorts its batch * seq * top_k
+    expert picks). TVM's converter takes only a constant k; a k that is the whole axis is a
+    sort. Ties keep the lower index first, as ONNX asks of TopK (TVM's argsort is stable)."""
+    dims = imp.dims(node.input[0])
+    axis = attrs.get("axis", -1)
+    if dims is None:
+        raise ImportFailure("its k is symbolic and its input's shape is not known")
+    axis = axis + len(dims) if axis < 0 else axis
+    if not imp.sym.equal(k, dims[axis]):
+        raise ImportFailure(
+            f"its k ({imp.sym.text(k)}) is computed from the input dims and is not the whole axis "
+            f"({imp.sym.text(dims[axis])}); qtvm takes a constant k or a sort of the whole axis",
+            "make k a constant in the model")
+    x = imp.expr(node.input[0])
+    descending = bool(attrs.get("largest", 1))
+    values = imp.emit(relax.op.sort(x, axis=axis, descending=descending))
+    indices = imp.emit(relax.op.argsort(x, axis=axis, descending=descending, dtype="int64"))
+    return relax.Tuple([values, indices])
+
+
+@converter("Split")
+def split(imp, node, attrs):
+    """Split sizes given as an input: TVM's converter takes only constants. Sizes that are
+    expressions of the dims (x split into its first seq - 1 positions and the last) are
+    slices; sizes computed from input values (a mixture of experts grouped by expert, its
+    tokens counted per expert: JetMoE's dynamo export) give outputs whose lengths depend on
+    data, which no compiled shape can hold, so they are refused by name."""
+    if len(node.input) < 2 or not node.input[1]:
+        return None
+    sizes = imp.known_input(node, 1)
+    if sizes is None:
+        raise ImportFailure(
+            "its split sizes are computed from input values at run time, so its outputs' lengths depend "
+            "on the data (qtvm compiles shapes that are constants or expressions of the inputs' dims)",
+            "export a form whose split sizes follow the input shapes (a mixture of experts computed for "
+            "every token, or with its experts as batched matmuls, rather than grouped by expert)")
+    if not sizes.symbolic:
+        return None
+    dims = imp.dims(node.input[0])
+    if dims is None:
+        raise ImportFailure("its split sizes are symbolic and its input's shape is not known")
+    axis = attrs.get("axis", 0)
+    axis = axis + len(dims) if axis < 0 else axis
+    parts = [imp.sym.norm(v) for v in sizes.ints()]
+    total = imp.sym.norm(sum(imp.sym.expr(v) for v in parts))
+    if not imp.sym.equal(total, dims[axis]) or not all(imp.sym.prove(tirx.GE(imp.sym.expr(v), imp.sym.expr(0))) for v in parts):
+        raise ImportFailure(
+            f"its split sizes {imp.sym.dims_text(parts)} are not shown to be non-negative and to add up to "
+            f"the axis ({imp.sym.text(dims[axis])})")
+    x = imp.expr(node.input[0])
+    outs, start = [], 0
+    for size in parts:
+        end = imp.sym.norm(imp.sym.expr(start) + imp.sym.expr(size))
+        part = imp.emit(relax.op.strided_slice(x, [axis], [imp.sym.expr(start)], [imp.sym.expr(end)],
+                                               assume_inbound=True))
+        outs.append(imp.ensure_shape(part, dims[:axis] + [size] + dims[axis + 1:]))
+        start = end
+    return relax.Tuple(outs)
 
 
 @converter("Range")

@@ -676,3 +676,78 @@ def test_half_precision_activations_run_in_float32(tmp_path, op, attrs, elem):
     want = session.run(None, {n: v.astype(np.float32) for n, v in feeds.items()})[0].astype(half)  # one rounding
     ulp = np.spacing(np.abs(want).astype(np.float32)) * (2 ** 13 if elem == TensorProto.FLOAT16 else 2 ** 16)
     assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp).all()
+
+
+def _ties(seq, batch=2):
+    """Values with many ties (TopK's order among equal values is ONNX's: the lower index first)."""
+    return {"x": np.random.default_rng(seq).integers(-3, 4, (batch, seq)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+def test_top_k_of_the_whole_axis_is_a_sort(tmp_path, largest):
+    """k = the axis's length, an expression of the dims: torch.onnx writes torch.sort and argsort
+    so (JetMoE's router); TVM's converter took only a constant k. Values and indices, ties
+    included, are onnxruntime's."""
+    nodes = _seq_of() + [helper.make_node("TopK", ["x", "s"], ["v", "i"], largest=largest)]
+    model = _model(nodes, [_x()], [_x("v"), _x("i", elem=TensorProto.INT64)])
+    module, _, session = _compile(tmp_path, model)
+    for seq in SEQS:
+        x = _ties(seq)
+        got, (v, i) = module.run(x), session.run(None, x)
+        np.testing.assert_array_equal(got["v"], v, err_msg=f"seq {seq}")
+        np.testing.assert_array_equal(got["i"], i, err_msg=f"seq {seq}")
+
+
+def test_top_k_of_a_symbolic_k_short_of_the_axis_is_refused(tmp_path):
+    nodes = _seq_of() + [_const("one", [1]), helper.make_node("Sub", ["s", "one"], ["k"]),
+                         helper.make_node("TopK", ["x", "k"], ["v", "i"])]
+    model = _model(nodes, [_x()], [_x("v", ("batch", "k")), _x("i", ("batch", "k"), TensorProto.INT64)])
+    with pytest.raises(QtvmError, match=r"k \(seq - 1\) is computed from the input dims and is not the whole axis"):
+        _compile(tmp_path, model)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_torch_sort_and_argsort_exports(tmp_path, exporter):
+    """torch.sort / argsort along a symbolic dim, as torch.onnx exports them."""
+    import torch
+
+    class Sort(torch.nn.Module):  # stable=True does not export (either exporter)
+        def forward(self, x):
+            values, order = torch.sort(x, dim=-1, descending=True)
+            return values, order, torch.argsort(x, dim=-1)
+
+    x = torch.from_numpy(_ties(5)["x"])
+    path = tmp_path / "m.onnx"
+    if exporter == "legacy":
+        torch.onnx.export(Sort(), (x,), str(path), input_names=["x"], output_names=["v", "i", "j"],
+                          dynamic_axes={"x": {0: "batch", 1: "seq"}}, dynamo=False)
+    else:
+        dims = {"x": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}}
+        torch.onnx.export(Sort(), (x,), str(path), input_names=["x"], output_names=["v", "i", "j"],
+                          dynamic_shapes=dims, dynamo=True)
+    module, _, session = _compile(tmp_path, onnx.load(str(path)))
+    for seq in (2, 3, 64, 67):
+        x = _ties(seq)
+        got, want = module.run(x), session.run(None, x)
+        for name, w in zip(("v", "i", "j"), want):
+            np.testing.assert_array_equal(got[name], w, err_msg=f"{name}, seq {seq}")
+
+
+def test_split_by_sizes_that_are_expressions_of_the_dims(tmp_path):
+    """x split into its first seq - 1 columns and the last: TVM's converter took only constant sizes."""
+    nodes = _seq_of() + [_const("one", [1]), helper.make_node("Sub", ["s", "one"], ["head"]),
+                         helper.make_node("Concat", ["head", "one"], ["sizes"], axis=0),
+                         helper.make_node("Split", ["x", "sizes"], ["a", "b"], axis=1)]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("a", ("batch", "h")), _x("b", ("batch", 1))]))
+    _check(module, session, _floats)
+
+
+def test_split_by_sizes_from_input_values_is_refused(tmp_path):
+    """Sizes computed from the data (a mixture of experts grouped by expert): outputs whose
+    lengths depend on values, refused by name (TVM's converter said 'Dynamic Split not yet supported')."""
+    nodes = [helper.make_node("Abs", ["n"], ["sizes"]),
+             helper.make_node("Split", ["x", "sizes"], ["a", "b"], axis=1)]
+    model = _model(nodes, [_x(), helper.make_tensor_value_info("n", TensorProto.INT64, [2])],
+                   [_x("a", ("batch", "p")), _x("b", ("batch", "q"))])
+    with pytest.raises(QtvmError, match="split sizes are computed from input values at run time"):
+        _compile(tmp_path, model)
