@@ -22,6 +22,7 @@ the input symbols:
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -82,10 +83,27 @@ def _divide(imp, num: list, den: list):
     if den_const == 0:
         return None
     if num_const % den_const:  # a constant inside a symbolic factor (``seq*4*16 / 64 = seq``)
-        total = _product(imp, num)
+        common = math.gcd(num_const, den_const)
+        num_const, den_const = num_const // common, den_const // common
+        total = _product(imp, [num_const] + [n for n in num if is_symbolic(n)])
         q = imp.sym.norm(tirx.floordiv(imp.sym.expr(total), imp.sym.expr(den_const)))
         return q if imp.sym.equal(imp.sym.expr(q) * imp.sym.expr(den_const), total) else None
     return _product(imp, [num_const // den_const] + [n for n in num if is_symbolic(n)])
+
+
+def _same_size(imp, a: list, b: list) -> bool:
+    """Whether dims ``a`` and ``b`` hold as many elements, dims equal in both set aside first:
+    TVM's analyzer proves X // 8 * 8 == X for a length padded to a multiple of 8 (Mamba-2's
+    chunks), but not with another symbol multiplied in (batch * (X // 8) * 8 == batch * X)."""
+    rest = list(b)
+    kept = []
+    for d in a:
+        match = next((i for i, e in enumerate(rest) if imp.sym.equal(d, e)), None)
+        if match is None:
+            kept.append(d)
+        else:
+            rest.pop(match)
+    return imp.sym.equal(_product(imp, kept), _product(imp, rest))
 
 
 def _data_dims(imp, node, i: int = 0) -> list:
@@ -106,13 +124,12 @@ def reshape(imp, node, attrs):
         out = [dims[i] if isinstance(v, int) and v == 0 else v for i, v in enumerate(out)]
     if any(isinstance(v, int) and v == -1 for v in out):
         rest = [v for v in out if not (isinstance(v, int) and v == -1)]
-        total, known = _product(imp, dims), _product(imp, rest)
         inferred = _divide(imp, dims, rest)
-        if inferred is None or not imp.sym.equal(imp.sym.expr(inferred) * imp.sym.expr(known), total):
+        if inferred is None or not _same_size(imp, [inferred, *rest], dims):
             raise ImportFailure(f"cannot reshape {imp.describe(node.input[0])} to "
                                 f"{imp.sym.dims_text(out)}: the -1 dimension does not divide evenly")
         out = [inferred if isinstance(v, int) and v == -1 else v for v in out]
-    elif not imp.sym.equal(_product(imp, out), _product(imp, dims)):
+    elif not _same_size(imp, out, dims):
         raise ImportFailure(f"cannot reshape {imp.describe(node.input[0])} to {imp.sym.dims_text(out)}: "
                             "the sizes cannot be proven equal")
     return relax.op.reshape(imp.expr(node.input[0]), _shape_expr(imp, out))
@@ -304,6 +321,54 @@ def split(imp, node, attrs):
         outs.append(imp.ensure_shape(part, dims[:axis] + [size] + dims[axis + 1:]))
         start = end
     return relax.Tuple(outs)
+
+
+@converter("Pad")
+def pad(imp, node, attrs):
+    """Pads that are expressions of the dims (Mamba-2's chunked scan, in Bamba and Falcon-H1,
+    pads the sequence to a multiple of its chunk: (c - seq % c) % c): TVM's converter takes
+    only constant pads. Constant mode, amounts shown non-negative: the input between blocks
+    of the fill value, one concat an axis."""
+    if imp.opset < 11:
+        return None  # pads are an attribute
+    pads = imp.known_input(node, 1)
+    if pads is None or not pads.symbolic:
+        return None
+    mode = attrs.get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    amounts = [imp.sym.norm(v) for v in pads.ints()]
+    if mode != "constant":
+        raise ImportFailure(f"its pads {imp.sym.dims_text(amounts)} are symbolic in mode '{mode}' (qtvm pads "
+                            "by symbolic amounts in constant mode only)", "export constant pads or mode 'constant'")
+    dims = imp.dims(node.input[0])
+    if dims is None:
+        raise ImportFailure("its pads are symbolic and its input's shape is not known")
+    axes = list(range(len(dims)))
+    if len(node.input) > 3 and node.input[3]:
+        known = imp.known_input(node, 3)
+        if known is None or known.symbolic:
+            raise ImportFailure("its axes input must be a constant")
+        axes = [int(a) + len(dims) if int(a) < 0 else int(a) for a in known.ints()]
+    if len(amounts) != 2 * len(axes):
+        raise ImportFailure(f"it has {len(amounts)} pads for {len(axes)} axes (ONNX: two an axis)")
+    if not all(imp.sym.prove(tirx.GE(imp.sym.expr(v), imp.sym.expr(0))) for v in amounts):
+        raise ImportFailure(f"its pads {imp.sym.dims_text(amounts)} are not shown to be non-negative (a "
+                            "negative pad crops)", "export constant pads")
+    x = imp.expr(node.input[0])
+    dtype = str(x.ty.dtype)
+    fill = imp.expr(node.input[2]) if len(node.input) > 2 and node.input[2] else relax.const(0, dtype)
+    for axis, before, after in zip(axes, amounts[:len(axes)], amounts[len(axes):]):
+        if imp.sym.equal(before, 0) and imp.sym.equal(after, 0):
+            continue
+        def block(size, axis=axis):
+            shape = [imp.sym.expr(d) for d in dims[:axis] + [size] + dims[axis + 1:]]
+            return imp.emit(relax.op.full(relax.ShapeExpr(shape), fill, dtype))
+        parts = ([] if imp.sym.equal(before, 0) else [block(before)]) + [x] + \
+            ([] if imp.sym.equal(after, 0) else [block(after)])
+        dims = dims[:axis] + [imp.sym.norm(imp.sym.expr(before) + imp.sym.expr(dims[axis]) + imp.sym.expr(after))] + \
+            dims[axis + 1:]
+        x = imp.ensure_shape(imp.emit(relax.op.concat(parts, axis=axis)), dims)
+    return x
 
 
 @converter("Range")

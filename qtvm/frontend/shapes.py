@@ -133,7 +133,28 @@ class Symbols:
         x = self.analyzer.simplify(x)
         if isinstance(x, tirx.IntImm):
             return bool(x.value) if str(x.ty) == "bool" else int(x.value)
-        return x
+        settled = self._settle(x)
+        return x if settled.same_as(x) else self.norm(settled)
+
+    _ARITH = {tirx.Add: tirx.Add, tirx.Sub: tirx.Sub, tirx.Mul: tirx.Mul, tirx.FloorDiv: tirx.FloorDiv,
+              tirx.FloorMod: tirx.FloorMod}
+
+    def _settle(self, x):
+        """``x`` with each min/max whose order the analyzer proves replaced by that operand: its
+        simplifier leaves min(seq, seq - seq % -8) (a slice back to seq of a length padded to a
+        multiple of 8) although it proves seq - seq % -8 >= seq."""
+        if isinstance(x, (tirx.Min, tirx.Max)):
+            a, b = self._settle(x.a), self._settle(x.b)
+            if self.analyzer.can_prove(a <= b):
+                return a if isinstance(x, tirx.Min) else b
+            if self.analyzer.can_prove(b <= a):
+                return b if isinstance(x, tirx.Min) else a
+            return x if a.same_as(x.a) and b.same_as(x.b) else type(x)(a, b)
+        make = self._ARITH.get(type(x))
+        if make is None:
+            return x
+        a, b = self._settle(x.a), self._settle(x.b)
+        return x if a.same_as(x.a) and b.same_as(x.b) else make(a, b)
 
     def expr(self, x):
         """int/bool -> IntImm (int64 or bool), TIR expressions as they are."""

@@ -751,3 +751,51 @@ def test_split_by_sizes_from_input_values_is_refused(tmp_path):
                    [_x("a", ("batch", "p")), _x("b", ("batch", "q"))])
     with pytest.raises(QtvmError, match="split sizes are computed from input values at run time"):
         _compile(tmp_path, model)
+
+
+def _pad_to_chunks(mode="constant", chunk=8):
+    """Mamba-2's chunked scan (Bamba, Falcon-H1, dynamo export): the sequence padded to a
+    multiple of the chunk by (c - seq % c) % c, split into chunks, summed per chunk, and the
+    padded sequence sliced back to seq."""
+    nodes = _seq_of() + [
+        _const("c", [chunk]), _const("zeros", [0, 0, 0, 0]), _const("zero", [0]), _const("one", [1]),
+        _const("fill", 0.5, np.float32), _const("chunked", [0, -1, chunk, 4]), _const("flat", [0, -1, 4]),
+        helper.make_node("Mod", ["s", "c"], ["r"]), helper.make_node("Sub", ["c", "r"], ["cr"]),
+        helper.make_node("Mod", ["cr", "c"], ["amount"]),
+        helper.make_node("Concat", ["zeros", "amount", "zero"], ["pads"], axis=0),  # after seq only
+        helper.make_node("Pad", ["x", "pads", "fill"], ["padded"], mode=mode),
+        helper.make_node("Reshape", ["padded", "chunked"], ["chunks"]),
+        helper.make_node("ReduceSum", ["chunks", "c_axis"], ["sums"], keepdims=0),
+        helper.make_node("Reshape", ["chunks", "flat"], ["back"]),
+        helper.make_node("Slice", ["back", "zero", "s", "one"], ["y"]),
+    ]
+    axis = numpy_helper.from_array(np.array([2], np.int64), "c_axis")
+    x = _x("x", ("batch", "seq", 4))
+    return _model(nodes, [x], [_x("y", ("batch", "seq", 4)), _x("sums", ("batch", "n", 4))], inits=[axis], opset=18)
+
+
+def test_pad_by_amounts_that_are_expressions_of_the_dims(tmp_path):
+    """TVM's converter took only constant pads ('Dynamic pads are not supported yet'); the chunk
+    count is then (seq - seq % -8) // 8, with batch multiplied in where a reshape is checked, and
+    the slice back is min(seq, the padded length), which the analyzer proves but did not simplify."""
+    module, _, session = _compile(tmp_path, _pad_to_chunks())
+    for seq in (1, 3, 8, 64, 67):
+        x = {"x": np.random.default_rng(seq).standard_normal((2, seq, 4)).astype(np.float32)}
+        got = module.run(x)
+        for out, want in zip(session.get_outputs(), session.run(None, x)):
+            assert got[out.name].shape == want.shape, (seq, out.name)
+            np.testing.assert_allclose(got[out.name], want, rtol=1e-5, atol=1e-5, err_msg=f"seq {seq}")
+
+
+def test_pad_by_symbolic_amounts_in_another_mode_is_refused(tmp_path):
+    with pytest.raises(QtvmError, match="symbolic in mode 'reflect'"):
+        _compile(tmp_path, _pad_to_chunks(mode="reflect"))
+
+
+def test_pad_by_amounts_of_unknown_sign_is_refused(tmp_path):
+    nodes = _seq_of() + [_const("four", [4]), _const("zero", [0]),
+                         helper.make_node("Sub", ["four", "s"], ["amount"]),
+                         helper.make_node("Concat", ["zero", "zero", "zero", "amount"], ["pads"], axis=0),
+                         helper.make_node("Pad", ["x", "pads"], ["y"])]
+    with pytest.raises(QtvmError, match="not shown to be non-negative"):
+        _compile(tmp_path, _model(nodes, [_x()], [_x("y", ("batch", "k"))]))
