@@ -371,6 +371,86 @@ def pad(imp, node, attrs):
     return x
 
 
+@converter("DFT")
+def dft(imp, node, attrs):
+    """ONNX's DFT (opsets 17 and 20; FNet's token mixing, torch.fft in dynamo exports), which
+    TVM's importer lacks: the signal axis multiplied by cos and sin tables built from the
+    axis's length, so a symbolic length (seq) works. The angle of frequency k at sample n is
+    taken from k * n mod N, exact in integers, before the one float multiply; the tables and
+    sums are float64, the result rounded once to the input's type (as numpy's FFT in float64
+    gives ONNX's expected outputs)."""
+    dims = _data_dims(imp, node)
+    rank = len(dims)
+    if imp.opset >= 20:
+        known = imp.known_input(node, 2)
+        if len(node.input) > 2 and node.input[2] and (known is None or known.symbolic):
+            raise ImportFailure("its axis input must be a constant")
+        axis = int(known.ints()[0]) if known is not None else -2
+    else:
+        axis = attrs.get("axis", 1)
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank - 1 or dims[-1] not in (1, 2):
+        raise ImportFailure(f"its input {imp.describe(node.input[0])} and axis {axis} are not a signal axis "
+                            "before a last dim of 1 (real) or 2 (complex)")
+    n = dims[axis]
+    if len(node.input) > 1 and node.input[1]:
+        length = imp.known_input(node, 1)
+        if length is None or not imp.sym.equal(length.ints()[0], n):
+            raise ImportFailure("its dft_length differs from the signal axis's length (a padded or cut "
+                                "signal)", "pad or slice the signal in the model instead")
+    inverse, onesided = bool(attrs.get("inverse", 0)), bool(attrs.get("onesided", 0))
+    if onesided and inverse:
+        raise ImportFailure("its onesided inverse transform (an irfft) is not supported",
+                            "export the full spectrum's inverse (torch.fft.ifft) and take its real part")
+    if onesided and dims[-1] == 2:
+        raise ImportFailure("it asks a onesided transform of a complex signal (ONNX defines it for real input)")
+    x = imp.expr(node.input[0])
+    dtype = str(x.ty.dtype)
+    work = "float64"  # sums that cancel to 0 (an inverse of a real signal's spectrum) stay below float32's step
+    if work != dtype:
+        x = imp.emit(relax.op.astype(x, work))
+    e = imp.sym.expr
+    freqs = imp.sym.norm(tirx.floordiv(e(n), e(2)) + 1) if onesided else n
+    # [.., N, c] with the signal axis last before the components
+    order = [i for i in range(rank - 1) if i != axis] + [axis, rank - 1]
+    x = imp.emit(relax.op.permute_dims(x, order))
+    real = imp.emit(relax.op.squeeze(relax.op.strided_slice(x, [rank - 1], [0], [1]), [rank - 1]))
+    imag = None
+    if dims[-1] == 2:
+        imag = imp.emit(relax.op.squeeze(relax.op.strided_slice(x, [rank - 1], [1], [2]), [rank - 1]))
+    k_idx = imp.emit(relax.op.arange(e(0), e(freqs), e(1), "int64"))
+    n_idx = imp.emit(relax.op.arange(e(0), e(n), e(1), "int64"))
+    kn = imp.emit(relax.op.multiply(relax.op.expand_dims(n_idx, [1]), relax.op.expand_dims(k_idx, [0])))
+    kn = imp.emit(relax.op.floor_mod(kn, imp.values_tensor([n])))  # [N, K]: x [.., N] @ table
+    step = imp.emit(relax.op.divide(relax.const(2 * np.pi, work), imp.values_tensor([n], work)))
+    angle = imp.emit(relax.op.multiply(relax.op.astype(kn, work), step))
+    cos, sin = imp.emit(relax.op.cos(angle)), imp.emit(relax.op.sin(angle))
+    # exact zeros at quarter and half turns (an FFT's are: float32 sin(pi) is -8.7e-8)
+    size, zero = imp.values_tensor([n]), relax.const(0.0, work)
+    quarter = relax.op.multiply(kn, relax.const(4, "int64"))
+    at_quarter = relax.op.logical_or(relax.op.equal(quarter, size),
+                                     relax.op.equal(quarter, relax.op.multiply(size, relax.const(3, "int64"))))
+    cos = imp.emit(relax.op.where(at_quarter, zero, cos))
+    sin = imp.emit(relax.op.where(relax.op.equal(relax.op.multiply(kn, relax.const(2, "int64")), size), zero, sin))
+    # forward: X = sum x e^{-i angle}; inverse: e^{+i angle} / N
+    sign = 1.0 if inverse else -1.0
+    out_re = imp.emit(relax.op.matmul(real, cos))
+    out_im = imp.emit(relax.op.multiply(relax.op.matmul(real, sin), relax.const(sign, work)))
+    if imag is not None:
+        out_re = imp.emit(relax.op.subtract(out_re, relax.op.multiply(relax.op.matmul(imag, sin),
+                                                                      relax.const(sign, work))))
+        out_im = imp.emit(relax.op.add(out_im, relax.op.matmul(imag, cos)))
+    if inverse:
+        scale = imp.emit(relax.op.divide(relax.const(1.0, work), imp.values_tensor([n], work)))
+        out_re, out_im = imp.emit(relax.op.multiply(out_re, scale)), imp.emit(relax.op.multiply(out_im, scale))
+    out = imp.emit(relax.op.stack([out_re, out_im], axis=rank - 1))
+    back = [order.index(i) for i in range(rank)]
+    out = imp.emit(relax.op.permute_dims(out, back))
+    if work != dtype:
+        out = imp.emit(relax.op.astype(out, dtype))
+    return imp.ensure_shape(out, dims[:axis] + [freqs] + dims[axis + 1:-1] + [2])
+
+
 @converter("Range")
 def range_(imp, node, attrs):
     ks = [imp.known_input(node, i) for i in range(3)]

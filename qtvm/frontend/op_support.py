@@ -34,11 +34,11 @@ CONSTANT_INPUTS = {
     **{op: (1,) for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
                            "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "Reshape", "Expand",
                            "Split", "CumSum", "TopK", "OneHot")},
-    "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3),
+    "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "DFT": (1, 2),
 }
 _PARAMETER_NAMES = {"Reshape": "shape", "Expand": "shape", "Split": "split", "CumSum": "axis", "TopK": "k",
                     "OneHot": "depth", "ConstantOfShape": "shape", "Pad": "pads/constant_value/axes",
-                    "Resize": "roi/scales/sizes"}
+                    "Resize": "roi/scales/sizes", "DFT": "dft_length/axis"}
 
 
 def _dtype_name(elem_type: int) -> str:
