@@ -27,6 +27,7 @@ import re
 
 import numpy as np
 import onnx
+import tvm_ffi
 from tvm import relax, tirx
 
 from qtvm.frontend.importer import ImportFailure
@@ -750,11 +751,29 @@ def broadcasting(imp, node, attrs, own=None):
             raise _unrelated(imp, node, named, out)
     result = own(imp, node, attrs) if own is not None else None
     if result is None:
-        result = imp.tvm_convert(node, attrs)
+        result = imp.tvm_convert(node, attrs, _restated(imp, node, out))
     result = imp.bb.normalize(result)
     if isinstance(result.ty, relax.TensorType) and result.ty.ndim == len(out):
         return imp.ensure_shape(result, out)
     return result
+
+
+def _restated(imp, node, out) -> dict:
+    """Inputs whose dims qtvm proved equal to the output's but that are written otherwise,
+    match-cast to the output's: TVM's inference cannot relate (seq - 30) // 20 + 1 to
+    min(T.Div(seq // 10 - 3, 2) + 1, (seq - 10) // 20) (SEW-D's frames, equal for every seq)
+    and left the op without a shape, so without a kernel."""
+    replace = {}
+    for i, name in enumerate(node.input):
+        dims = imp.dims(name) if name else None
+        if not dims:
+            continue
+        wanted = [d if isinstance(d, int) and d == 1 else t for d, t in zip(dims, out[len(out) - len(dims):])]
+        if any(not tvm_ffi.structural_equal(imp.sym.expr(d), imp.sym.expr(t)) for d, t in zip(dims, wanted)):
+            value = imp.expr(name)
+            typed = relax.TensorType([imp.sym.expr(d) for d in wanted], value.ty.dtype)
+            replace[i] = imp.bb.match_cast(imp.emit(value), typed)
+    return replace
 
 
 _OWN = {"Pow": pow_, "PRelu": half_in_float32, "Mod": half_in_float32}

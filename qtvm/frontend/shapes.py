@@ -145,9 +145,9 @@ class Symbols:
         multiple of 8) although it proves seq - seq % -8 >= seq."""
         if isinstance(x, (tirx.Min, tirx.Max)):
             a, b = self._settle(x.a), self._settle(x.b)
-            if self.analyzer.can_prove(a <= b):
+            if self.prove(a <= b):
                 return a if isinstance(x, tirx.Min) else b
-            if self.analyzer.can_prove(b <= a):
+            if self.prove(b <= a):
                 return b if isinstance(x, tirx.Min) else a
             return x if a.same_as(x.a) and b.same_as(x.b) else type(x)(a, b)
         make = self._ARITH.get(type(x))
@@ -170,14 +170,49 @@ class Symbols:
             return a == b
         if self.analyzer.can_prove_equal(self.expr(a), self.expr(b)):
             return True
-        return _polynomial(a) == _polynomial(b)  # TVM's simplifier does not distribute a * (b + c)
+        if _polynomial(a) == _polynomial(b):  # TVM's simplifier does not distribute a * (b + c)
+            return True
+        return self._periodic(self.expr(a) - self.expr(b), "zero")
 
     def is_one(self, a) -> bool:
         return self.equal(a, 1)
 
     def prove(self, cond) -> bool:
         cond = self.norm(cond)
-        return cond if isinstance(cond, bool) else self.analyzer.can_prove(cond)
+        if isinstance(cond, bool) or self.analyzer.can_prove(cond):
+            return bool(cond)
+        sides = {tirx.GE: (0, 1), tirx.LE: (1, 0), tirx.GT: (0, 1), tirx.LT: (1, 0)}.get(type(cond))
+        if sides is None:
+            return False
+        big, small = (cond.a, cond.b)[sides[0]], (cond.a, cond.b)[sides[1]]
+        strict = isinstance(cond, (tirx.GT, tirx.LT))
+        return self._periodic(big - small - (1 if strict else 0), "non-negative")
+
+    def _periodic(self, f, claim: str) -> bool:
+        """Whether f (an expression of one symbol s) is non-negative, or zero, for every s the
+        model accepts, where TVM's analyzer cannot tell: frame counts of strided layers (SEW's
+        seq // 10 - (seq - 10) // 20 * 2 - 1, a pad that is 0 or 1). f built from s, integer
+        constants, +, -, products by constants, floor division and modulo by positive
+        constants (truncating division of a non-negative numerator) and min/max of operands
+        that grow alike is quasi-linear: f(s + L) = f(s) + C for a period L that every divisor
+        chain divides. So f >= 0 for all s >= lo iff C >= 0 and f >= 0 on [lo, lo + L); f == 0
+        iff C == 0 and f == 0 there. An exact proof by enumeration, not a sample."""
+        found = _quasi_linear(self.analyzer.simplify(f))
+        if found is None:
+            return False
+        evaluate, var, period = found
+        if var is None or period > _MAX_PERIOD:
+            return False
+        low = self.analyzer.const_int_bound(var).min_value
+        lo = max(int(low), 0)
+        try:
+            values = [evaluate(lo + i) for i in range(period + 1)]
+        except _NotQuasiLinear:
+            return False
+        step = values[-1] - values[0]
+        if claim == "zero":
+            return step == 0 and not any(values)
+        return step >= 0 and min(values) >= 0
 
     def text(self, x) -> str:
         return dim_text(self.norm(x))
@@ -243,6 +278,87 @@ def _grows_with(e, v) -> bool:
     if isinstance(e, (tirx.Mul, tirx.FloorDiv)):
         return _grows_with(e.a, v) and isinstance(e.b, tirx.IntImm) and e.b.value > 0
     return False
+
+
+_MAX_PERIOD = 1 << 16
+
+
+class _NotQuasiLinear(Exception):
+    """A truncating division's numerator turned negative, or min/max operands grow apart."""
+
+
+def _quasi_linear(e):
+    """(evaluate, symbol, period) for an expression of at most one symbol built from the forms
+    ``Symbols._periodic`` names (evaluate: Python int -> int, exact), else None."""
+    symbols: set = set()
+    divisors: list[int] = []
+
+    def build(x):
+        if isinstance(x, (int, bool)):
+            return lambda s, v=int(x): v
+        if isinstance(x, tirx.IntImm):
+            return lambda s, v=int(x.value): v
+        if isinstance(x, tirx.Var):
+            symbols.add(x.name)
+            symbols_vars[x.name] = x
+            return lambda s: s
+        if isinstance(x, (tirx.Add, tirx.Sub)):
+            a, b = build(x.a), build(x.b)
+            if a is None or b is None:
+                return None
+            return (lambda s: a(s) + b(s)) if isinstance(x, tirx.Add) else (lambda s: a(s) - b(s))
+        if isinstance(x, tirx.Mul):
+            if isinstance(x.b, tirx.IntImm):
+                a, c = build(x.a), int(x.b.value)
+            elif isinstance(x.a, tirx.IntImm):
+                a, c = build(x.b), int(x.a.value)
+            else:
+                return None
+            return None if a is None else (lambda s: a(s) * c)
+        if isinstance(x, (tirx.FloorDiv, tirx.FloorMod, tirx.Div)) and isinstance(x.b, tirx.IntImm) \
+                and int(x.b.value) > 0:
+            a, d = build(x.a), int(x.b.value)
+            if a is None:
+                return None
+            divisors.append(d)
+            if isinstance(x, tirx.FloorMod):
+                return lambda s: a(s) % d
+            if isinstance(x, tirx.FloorDiv):
+                return lambda s: a(s) // d
+
+            numerators.append(a)  # truncation towards zero is floor division only from 0 up
+            return lambda s: a(s) // d
+        if isinstance(x, (tirx.Min, tirx.Max)):
+            a, b = build(x.a), build(x.b)
+            if a is None or b is None:
+                return None
+            pick = min if isinstance(x, tirx.Min) else max
+            operands.append((a, b))
+            return lambda s: pick(a(s), b(s))
+        return None
+
+    symbols_vars: dict = {}
+    operands: list = []
+    numerators: list = []
+    evaluate = build(e)
+    if evaluate is None or len(symbols) > 1:
+        return None
+    period = 1
+    for d in divisors:
+        period *= d
+        if period > _MAX_PERIOD:
+            return None
+    var = next(iter(symbols_vars.values()), None)
+
+    def checked(s):
+        for a, b in operands:  # min/max of operands that grow alike stays quasi-linear
+            if a(s + period) - a(s) != b(s + period) - b(s):
+                raise _NotQuasiLinear
+        for a in numerators:  # >= 0 on a period and not decreasing: >= 0 from lo on
+            if a(s) < 0 or a(s + period) < a(s):
+                raise _NotQuasiLinear
+        return evaluate(s)
+    return checked, var, period
 
 
 def _polynomial(e) -> dict:

@@ -850,3 +850,22 @@ def test_torch_fft_dynamo_export(tmp_path):
         got, scale = module.run(feeds)["y"], np.abs(exact).max()
         np.testing.assert_allclose(got, exact, rtol=0, atol=4e-7 * scale, err_msg=f"seq {seq}")
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=0, atol=5e-5 * scale)
+
+
+def test_add_of_lengths_equal_for_every_seq_but_written_apart(tmp_path):
+    """x[:, :(seq + 10) // 20] + x[:, :seq // 10 - seq // 20]: the two lengths are equal for every
+    seq (qtvm proves it by their period, as for SEW-D's frame counts); TVM's inference cannot, and
+    left the add without a shape and without a kernel until the second input was match-cast."""
+    nodes = _seq_of() + [_const("ten", [10]), _const("twenty", [20]), _const("zero", [0]), _const("one", [1]),
+                         helper.make_node("Add", ["s", "ten"], ["s10"]),
+                         helper.make_node("Div", ["s10", "twenty"], ["len1"]),
+                         helper.make_node("Div", ["s", "ten"], ["tenths"]),
+                         helper.make_node("Div", ["s", "twenty"], ["twentieths"]),
+                         helper.make_node("Sub", ["tenths", "twentieths"], ["len2"]),
+                         helper.make_node("Slice", ["x", "zero", "len1", "one"], ["a"]),
+                         helper.make_node("Slice", ["x", "zero", "len2", "one"], ["b"]),
+                         helper.make_node("Add", ["a", "b"], ["y"])]
+    module, _, session = _compile(tmp_path, _model(nodes, [_x()], [_x("y", ("batch", "n"))]))
+    for seq in (1, 9, 10, 19, 20, 29, 30, 67, 400):
+        x = _floats(seq)
+        np.testing.assert_array_equal(module.run(x)["y"], session.run(None, x)[0], err_msg=f"seq {seq}")
