@@ -267,10 +267,8 @@ def _sort_whole_axis(imp, node, attrs, k):
     ``argsort`` so, with k the axis's length (JetMoE's router sorts its batch * seq * top_k
     expert picks). TVM's converter takes only a constant k; a k that is the whole axis is a
     sort. Ties keep the lower index first, as ONNX asks of TopK (TVM's argsort is stable)."""
-    dims = imp.dims(node.input[0])
+    dims = _data_dims(imp, node)
     axis = attrs.get("axis", -1)
-    if dims is None:
-        raise ImportFailure("its k is symbolic and its input's shape is not known")
     axis = axis + len(dims) if axis < 0 else axis
     if not imp.sym.equal(k, dims[axis]):
         raise ImportFailure(
@@ -282,6 +280,11 @@ def _sort_whole_axis(imp, node, attrs, k):
     values = imp.emit(relax.op.sort(x, axis=axis, descending=descending))
     indices = imp.emit(relax.op.argsort(x, axis=axis, descending=descending, dtype="int64"))
     return relax.Tuple([values, indices])
+
+
+def _nonnegative(imp, values: list) -> bool:
+    """Whether every one of ``values`` (ints, dim expressions) is proven >= 0."""
+    return all(imp.sym.prove(tirx.GE(imp.sym.expr(v), imp.sym.expr(0))) for v in values)
 
 
 @converter("Split")
@@ -302,14 +305,12 @@ def split(imp, node, attrs):
             "every token, or with its experts as batched matmuls, rather than grouped by expert)")
     if not sizes.symbolic:
         return None
-    dims = imp.dims(node.input[0])
-    if dims is None:
-        raise ImportFailure("its split sizes are symbolic and its input's shape is not known")
+    dims = _data_dims(imp, node)
     axis = attrs.get("axis", 0)
     axis = axis + len(dims) if axis < 0 else axis
     parts = [imp.sym.norm(v) for v in sizes.ints()]
     total = imp.sym.norm(sum(imp.sym.expr(v) for v in parts))
-    if not imp.sym.equal(total, dims[axis]) or not all(imp.sym.prove(tirx.GE(imp.sym.expr(v), imp.sym.expr(0))) for v in parts):
+    if not imp.sym.equal(total, dims[axis]) or not _nonnegative(imp, parts):
         raise ImportFailure(
             f"its split sizes {imp.sym.dims_text(parts)} are not shown to be non-negative and to add up to "
             f"the axis ({imp.sym.text(dims[axis])})")
@@ -341,9 +342,7 @@ def pad(imp, node, attrs):
     if mode != "constant":
         raise ImportFailure(f"its pads {imp.sym.dims_text(amounts)} are symbolic in mode '{mode}' (qtvm pads "
                             "by symbolic amounts in constant mode only)", "export constant pads or mode 'constant'")
-    dims = imp.dims(node.input[0])
-    if dims is None:
-        raise ImportFailure("its pads are symbolic and its input's shape is not known")
+    dims = _data_dims(imp, node)
     axes = list(range(len(dims)))
     if len(node.input) > 3 and node.input[3]:
         known = imp.known_input(node, 3)
@@ -352,20 +351,21 @@ def pad(imp, node, attrs):
         axes = [int(a) + len(dims) if int(a) < 0 else int(a) for a in known.ints()]
     if len(amounts) != 2 * len(axes):
         raise ImportFailure(f"it has {len(amounts)} pads for {len(axes)} axes (ONNX: two an axis)")
-    if not all(imp.sym.prove(tirx.GE(imp.sym.expr(v), imp.sym.expr(0))) for v in amounts):
+    if not _nonnegative(imp, amounts):
         raise ImportFailure(f"its pads {imp.sym.dims_text(amounts)} are not shown to be non-negative (a "
                             "negative pad crops)", "export constant pads")
     x = imp.expr(node.input[0])
     dtype = str(x.ty.dtype)
     fill = imp.expr(node.input[2]) if len(node.input) > 2 and node.input[2] else relax.const(0, dtype)
     for axis, before, after in zip(axes, amounts[:len(axes)], amounts[len(axes):]):
-        if imp.sym.equal(before, 0) and imp.sym.equal(after, 0):
+        padded = [not imp.sym.equal(size, 0) for size in (before, after)]
+        if not any(padded):
             continue
+
         def block(size, axis=axis):
             shape = [imp.sym.expr(d) for d in dims[:axis] + [size] + dims[axis + 1:]]
             return imp.emit(relax.op.full(relax.ShapeExpr(shape), fill, dtype))
-        parts = ([] if imp.sym.equal(before, 0) else [block(before)]) + [x] + \
-            ([] if imp.sym.equal(after, 0) else [block(after)])
+        parts = ([block(before)] if padded[0] else []) + [x] + ([block(after)] if padded[1] else [])
         dims = dims[:axis] + [imp.sym.norm(imp.sym.expr(before) + imp.sym.expr(dims[axis]) + imp.sym.expr(after))] + \
             dims[axis + 1:]
         x = imp.ensure_shape(imp.emit(relax.op.concat(parts, axis=axis)), dims)
@@ -422,12 +422,13 @@ def dft(imp, node, attrs):
     k_idx = imp.emit(relax.op.arange(e(0), e(freqs), e(1), "int64"))
     n_idx = imp.emit(relax.op.arange(e(0), e(n), e(1), "int64"))
     kn = imp.emit(relax.op.multiply(relax.op.expand_dims(n_idx, [1]), relax.op.expand_dims(k_idx, [0])))
-    kn = imp.emit(relax.op.floor_mod(kn, imp.values_tensor([n])))  # [N, K]: x [.., N] @ table
-    step = imp.emit(relax.op.divide(relax.const(2 * np.pi, work), imp.values_tensor([n], work)))
+    size, size_float = imp.values_tensor([n]), imp.values_tensor([n], work)
+    kn = imp.emit(relax.op.floor_mod(kn, size))  # [N, K]: x [.., N] @ table
+    step = imp.emit(relax.op.divide(relax.const(2 * np.pi, work), size_float))
     angle = imp.emit(relax.op.multiply(relax.op.astype(kn, work), step))
     cos, sin = imp.emit(relax.op.cos(angle)), imp.emit(relax.op.sin(angle))
     # exact zeros at quarter and half turns (an FFT's are: float32 sin(pi) is -8.7e-8)
-    size, zero = imp.values_tensor([n]), relax.const(0.0, work)
+    zero = relax.const(0.0, work)
     quarter = relax.op.multiply(kn, relax.const(4, "int64"))
     at_quarter = relax.op.logical_or(relax.op.equal(quarter, size),
                                      relax.op.equal(quarter, relax.op.multiply(size, relax.const(3, "int64"))))
@@ -442,7 +443,7 @@ def dft(imp, node, attrs):
                                                                       relax.const(sign, work))))
         out_im = imp.emit(relax.op.add(out_im, relax.op.matmul(imag, cos)))
     if inverse:
-        scale = imp.emit(relax.op.divide(relax.const(1.0, work), imp.values_tensor([n], work)))
+        scale = imp.emit(relax.op.divide(relax.const(1.0, work), size_float))
         out_re, out_im = imp.emit(relax.op.multiply(out_re, scale)), imp.emit(relax.op.multiply(out_im, scale))
     out = imp.emit(relax.op.stack([out_re, out_im], axis=rank - 1))
     back = [order.index(i) for i in range(rank)]

@@ -136,8 +136,7 @@ class Symbols:
         settled = self._settle(x)
         return x if settled.same_as(x) else self.norm(settled)
 
-    _ARITH = {tirx.Add: tirx.Add, tirx.Sub: tirx.Sub, tirx.Mul: tirx.Mul, tirx.FloorDiv: tirx.FloorDiv,
-              tirx.FloorMod: tirx.FloorMod}
+    _ARITH = (tirx.Add, tirx.Sub, tirx.Mul, tirx.FloorDiv, tirx.FloorMod)
 
     def _settle(self, x):
         """``x`` with each min/max whose order the analyzer proves replaced by that operand: its
@@ -150,11 +149,10 @@ class Symbols:
             if self.prove(b <= a):
                 return b if isinstance(x, tirx.Min) else a
             return x if a.same_as(x.a) and b.same_as(x.b) else type(x)(a, b)
-        make = self._ARITH.get(type(x))
-        if make is None:
+        if not isinstance(x, self._ARITH):
             return x
         a, b = self._settle(x.a), self._settle(x.b)
-        return x if a.same_as(x.a) and b.same_as(x.b) else make(a, b)
+        return x if a.same_as(x.a) and b.same_as(x.b) else type(x)(a, b)
 
     def expr(self, x):
         """int/bool -> IntImm (int64 or bool), TIR expressions as they are."""
@@ -290,7 +288,7 @@ class _NotQuasiLinear(Exception):
 def _quasi_linear(e):
     """(evaluate, symbol, period) for an expression of at most one symbol built from the forms
     ``Symbols._periodic`` names (evaluate: Python int -> int, exact), else None."""
-    symbols: set = set()
+    symbols: dict = {}  # name -> Var
     divisors: list[int] = []
 
     def build(x):
@@ -299,8 +297,7 @@ def _quasi_linear(e):
         if isinstance(x, tirx.IntImm):
             return lambda s, v=int(x.value): v
         if isinstance(x, tirx.Var):
-            symbols.add(x.name)
-            symbols_vars[x.name] = x
+            symbols[x.name] = x
             return lambda s: s
         if isinstance(x, (tirx.Add, tirx.Sub)):
             a, b = build(x.a), build(x.b)
@@ -325,7 +322,6 @@ def _quasi_linear(e):
                 return lambda s: a(s) % d
             if isinstance(x, tirx.FloorDiv):
                 return lambda s: a(s) // d
-
             numerators.append(a)  # truncation towards zero is floor division only from 0 up
             return lambda s: a(s) // d
         if isinstance(x, (tirx.Min, tirx.Max)):
@@ -337,7 +333,6 @@ def _quasi_linear(e):
             return lambda s: pick(a(s), b(s))
         return None
 
-    symbols_vars: dict = {}
     operands: list = []
     numerators: list = []
     evaluate = build(e)
@@ -348,7 +343,7 @@ def _quasi_linear(e):
         period *= d
         if period > _MAX_PERIOD:
             return None
-    var = next(iter(symbols_vars.values()), None)
+    var = next(iter(symbols.values()), None)
 
     def checked(s):
         for a, b in operands:  # min/max of operands that grow alike stays quasi-linear
