@@ -567,6 +567,9 @@ def _table_window(imp, start, end, d, step):
     other slices keep ONNX's clamping."""
     if step != 1 or not isinstance(d, int) or not is_symbolic(end):
         return None
+    centred = _centred_window(imp, start, end, d)
+    if centred is not None:
+        return centred
     ends = _symbol_sum(imp.sym.norm(end))
     starts = [] if isinstance(start, int) and _clamp(imp, start, d) == 0 else _symbol_sum(imp.sym.norm(start))
     if ends is None or starts is None or any(ends.count(v) < starts.count(v) for v in starts):
@@ -574,6 +577,24 @@ def _table_window(imp, start, end, d, step):
     first = 0 if not starts else imp.sym.norm(start)
     imp.sym.limit(end, d)
     return first, imp.sym.norm(imp.sym.expr(end) - imp.sym.expr(first))
+
+
+def _centred_window(imp, start, end, d: int):
+    """(first row, count) of ``x[c - n : c' + n]`` on a ``d``-row table: the ``2n + c' - c``
+    rows around its centre, ``n`` an expression of the dims (wav2vec2-Conformer's relative
+    positions, ``n`` frames of the audio). ``start + end`` is a constant C, so ``start >= 0``
+    is ``end <= C``: the import assumes ``end <= min(C, d)`` (recorded, refused beyond at run
+    time), where the model itself works (a negative start would count from the table's end
+    and give the wrong number of rows). Else None."""
+    if not is_symbolic(start) or not is_symbolic(end):
+        return None
+    e = imp.sym.expr
+    total = imp.sym.norm(e(start) + e(end))
+    count = imp.sym.norm(e(end) - e(start))
+    if is_symbolic(total) or not imp.sym.prove(tirx.GE(e(count), e(0))):
+        return None
+    imp.sym.limit(end, min(total, d))
+    return imp.sym.norm(start), count
 
 
 @converter("Slice")

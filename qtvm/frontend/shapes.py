@@ -59,6 +59,10 @@ class Symbols:
         dim = self.norm(dim)
         if self.prove(tirx.LE(self.expr(dim), self.expr(bound))):
             return
+        for v in [] if isinstance(dim, tirx.Var) else _vars_of(dim):  # seq + 39 <= 79 is seq <= 40
+            shift = self.norm(self.expr(dim) - v)
+            if not is_symbolic(shift):
+                return self.limit(v, bound - shift)
         key = self.text(dim)
         terms = key.split(" + ")
         if len(terms) > 1 and all(t.isidentifier() for t in terms):  # a sum of symbols: one order

@@ -237,6 +237,55 @@ def test_slice_of_a_table_s_last_seq_columns_records_its_limit(tmp_path, form):
     _check_with_seq_limit(tmp_path, nodes, table, 80)
 
 
+def _centred_slice(frames: str, c2: int):
+    """pe[100 - n : c2 + n] of a [199, 2] table, n = seq or seq // 3; y = the window's column
+    sums + sum(x), rows = the window's shape."""
+    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((199, 2)).astype(np.float32), "pe")
+    nodes = _seq_of() + [_const("c1", [100]), _const("c2", [c2]), _const("zero", [0])]
+    if frames == "seq":
+        nodes.append(helper.make_node("Identity", ["s"], ["n"]))
+    else:
+        nodes += [_const("three", [3]), helper.make_node("Div", ["s", "three"], ["n"])]
+    nodes += [
+        helper.make_node("Sub", ["c1", "n"], ["start"]), helper.make_node("Add", ["c2", "n"], ["end"]),
+        helper.make_node("Slice", ["pe", "start", "end", "zero"], ["window"]),
+        helper.make_node("ReduceSum", ["window", "zero"], ["sums"], keepdims=1),  # [1, 2]
+        helper.make_node("Shape", ["window"], ["rows"]),
+        helper.make_node("ReduceSum", ["x"], ["xs"], keepdims=1),  # [1, 1]
+        helper.make_node("Add", ["sums", "xs"], ["y"]),
+    ]
+    outputs = [_x("y", (1, 2)), helper.make_tensor_value_info("rows", TensorProto.INT64, [2])]
+    return _model(nodes, [_x()], outputs, [table], opset=13)
+
+
+@pytest.mark.parametrize("frames, c2, key, limit, seqs", [
+    ("seq", 99, "seq", 100, (1, 3, 64, 100)),  # start >= 0 limits: 100 - seq >= 0
+    ("seq // 3", 100, "seq // 3 + 100", 199, (1, 3, 67, 299)),  # the table's end limits
+])
+def test_slice_of_a_table_s_centre_records_its_limit(tmp_path, frames, c2, key, limit, seqs):
+    """pe[100 - n : c2 + n] of a [199, 2] table (wav2vec2-Conformer's relative positions, n the
+    frames: seq, or an expression of it): start + end is constant, so the import assumes the
+    start >= 0 (the model gives the wrong number of rows otherwise) and the end within the
+    table, records the limit on the end, reads rows 100 - n .. c2 + n - 1, and refuses longer
+    inputs at run time."""
+    module, result, session = _compile(tmp_path, _centred_slice(frames, c2))
+    assert result.metadata["dim_limits"] == {key: limit}
+    for seq in seqs:
+        x = _floats(seq)
+        got, want = module.run(x), session.run(None, x)
+        np.testing.assert_array_equal(got["rows"], want[1])
+        np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5, err_msg=f"seq {seq}")
+    with pytest.raises(QtvmError, match="this model takes"):
+        module.run(_floats(seqs[-1] + 3))
+
+
+def test_slice_of_a_table_s_centre_that_may_be_empty_is_refused(tmp_path):
+    """pe[100 - seq // 3 : 99 + seq // 3] has 2 (seq // 3) - 1 rows: none (a clamped, empty
+    slice) at seq < 3, so the window rule declines and the unknown sign is named."""
+    with pytest.raises(QtvmError, match="Slice bound 100 - seq // 3 may be negative"):
+        _compile(tmp_path, _centred_slice("seq // 3", 99))
+
+
 def test_slice_of_a_one_column_table_from_max_0_1_minus_seq_needs_no_limit(tmp_path):
     """bias[:, max(0, 1 - seq):] of a [1, 1] table (MPT's torch.export, the query axis): its
     length min(seq, 1) is 1 for every seq >= 1; it broadcasts, and seq stays unlimited."""
