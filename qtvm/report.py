@@ -50,11 +50,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qtvm.atomic import atomic_file
 from qtvm.errors import QtvmError
 
 DEFAULT_PRESETS = ("int2-g64", "int3-g128", "int4-g128", "int8-g128", "bcq3-g128", "e0m4-g128", "mixed-2-4-16")
@@ -139,14 +139,8 @@ class Report:
         """Atomic: the file is either the complete report or untouched."""
         path = _check_json_path(path)
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, "w") as f:
+            f.write(text + "\n")
         return path
 
     def layer_table(self) -> str:

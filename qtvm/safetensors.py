@@ -11,10 +11,10 @@ import json
 import math
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 
+from qtvm.atomic import atomic_file
 from qtvm.errors import QtvmError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -87,15 +87,9 @@ def save_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
         offset += len(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned, as the reference writer does
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(len(text).to_bytes(8, "little"))
-            f.write(text)
-            for raw in blobs:
-                f.write(raw)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
     return path

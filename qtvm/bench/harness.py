@@ -48,12 +48,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from qtvm.atomic import atomic_file
 from qtvm.bench.bandwidth import l3_cache_bytes
 
 from qtvm.hostinfo import cpu_identity, host_cpu_flags
@@ -490,18 +490,10 @@ def write_json(
         m["read_bandwidth_gbps"] = {str(k): float(v) for k, v in m["read_bandwidth_gbps"].items()}
     doc = {"meta": m, "results": [r.to_dict() if isinstance(r, BenchResult) else dict(r) for r in results]}
     text = json.dumps(doc, indent=2, sort_keys=False, default=_json_default, allow_nan=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path, "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     return path
 
 

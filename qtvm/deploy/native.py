@@ -18,6 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from qtvm.atomic import atomic_file
 from qtvm.deploy.toolchain import Toolchain
 from qtvm.errors import QtvmError
 
@@ -61,9 +62,8 @@ def runtime_libs(arch: str, dest: str | Path | None = None) -> Path:
             with zipfile.ZipFile(wheel) as z:
                 for member, name in RUNTIME_LIBS.items():
                     if member in z.namelist():
-                        part = dest / f".{name}.part"
-                        part.write_bytes(z.read(member))
-                        part.replace(dest / name)
+                        with atomic_file(dest / name) as f:
+                            f.write(z.read(member))
     missing = [name for name in RUNTIME_LIBS.values() if not (dest / name).is_file()]
     if missing:
         raise QtvmError(f"the downloaded wheels lack {', '.join(missing)}")
