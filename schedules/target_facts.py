@@ -109,6 +109,8 @@ class CpuFacts:
     lut_prefetch_bytes:     how far ahead the 16-entry LUT GEMV (BCQ) prefetches its bit stream,
     lut_a8_prefetch_bytes:  fp32 tables and int16 tables (``--act int8``); the defaults were
     lut_prefetch_source:    measured on AMD Zen 5 (``qtvm.intrin.x86_lut``), a row names its CPU.
+    bcq_a8_prefetch_bytes:  the same distance for the int8 nibble-table BCQ GEMV (``qtvm.bcq_a8_gemv``);
+    bcq_a8_prefetch_source: None = the int16 tables' (``lut_a8_prefetch_bytes``), else a row's measurement.
     mcpu:             the LLVM CPU name these facts describe.
     source:           "host" (read from this machine) or "table".
     """
@@ -138,6 +140,8 @@ class CpuFacts:
     lut_prefetch_bytes: int = 6144
     lut_a8_prefetch_bytes: int = 4096
     lut_prefetch_source: str = "default"
+    bcq_a8_prefetch_bytes: int | None = None
+    bcq_a8_prefetch_source: str = "default"
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_RANK:
@@ -259,7 +263,16 @@ _TABLE: dict[str, _CpuSpec] = {
                            "prefill_prefetch": False,
                            "prefill_prefetch_source": "AMD EPYC Zen 5 VM (2 vCPUs): int8 prefill kernel without "
                                                       "software prefetch 1.01-1.15x faster weights-cold, 1.15-1.25x "
-                                                      "hot (M = 4-128, 1 and 2 threads, interleaved A/B)"}),
+                                                      "hot (M = 4-128, 1 and 2 threads, interleaved A/B)",
+                           "bcq_a8_prefetch_bytes": 0,
+                           "bcq_a8_prefetch_source": "AMD EPYC Zen 5 VM (family 26 model 2, 2 vCPUs), 2026-12-02: "
+                                                     "bcq3-g128 int8 nibble-table decode, DRAM-cold, interleaved A/B "
+                                                     "in one process (4096^2, 11008x4096, 4096x11008; 3 runs of 7-9 "
+                                                     "rounds): no software prefetch 1.34-1.63x faster than 4 KiB at 1 "
+                                                     "thread on 4 of 5 shape-runs (0.88x on one), 1.09-1.19x at 2; "
+                                                     "1 / 2 KiB 0.64-0.92x of none. Against the int16 tables: with "
+                                                     "none 1.09-1.71x at 1 thread in two runs (0.87-1.28x in the "
+                                                     "first), with 4 KiB 0.70-0.79x"}),
     # Intel client
     "haswell": _CpuSpec("avx2", 32 * _KIB, 256 * _KIB, 8 * _MIB, 4, 3.4,
                         fma256=2, valu256=3, part="Core i7-4770"),

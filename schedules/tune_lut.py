@@ -25,6 +25,7 @@ from schedules.knob_space import DesignSpaces
 
 KINDS = (lut_gemv.KERNEL16, lut_gemv.KERNEL16_A8, bcq_a8_gemv.KERNEL)
 A8_KINDS = (lut_gemv.KERNEL16_A8, bcq_a8_gemv.KERNEL)  # int8 activations: the int16 tables' prefetch facts
+# (the nibble tables' own where a row measured them: ``lut_prefetch_bytes(..., nibble=True)``)
 KNOB_NAMES = ("prefetch_bytes", "unroll")
 PREFETCH_BYTES = (0, 2048, 4096, 6144, 8192, 12288)
 UNROLL = (0, 256)
@@ -52,7 +53,7 @@ class LutKnobSpace(DesignSpaces):
         from schedules.x86_lut import lut_prefetch_bytes
 
         kind = str(func.attrs[ops.KERNEL_ATTR])
-        default = lut_prefetch_bytes(target, a8=kind in A8_KINDS)
+        default = lut_prefetch_bytes(target, a8=kind in A8_KINDS, nibble=kind == bcq_a8_gemv.KERNEL)
         prefetch = tuple(sorted(set(PREFETCH_BYTES) | {default}))
         return LutKnobSpace(kind, target, prefetch, {"prefetch_bytes": default, "unroll": 0})
 

@@ -42,11 +42,11 @@ def schedule_bcq_a8_gemv_x86(func: tvm.tirx.PrimFunc, target: tvm.target.Target,
 def apply_bcq_a8_x86(sch: s_tir.Schedule, target: tvm.target.Target, *, prefetch_bytes: int | None = None,
                      unroll=0) -> None:
     """``prefetch_bytes``: how far ahead each step prefetches the bit stream (None: the
-    int16-table kernel's facts for ``target``; 0: none). ``unroll``: as ``apply_lut16_x86``'s."""
+    target's facts for this kernel; 0: none). ``unroll``: as ``apply_lut16_x86``'s."""
     from qtvm.intrin import x86_bcq
 
     if prefetch_bytes is None:
-        prefetch_bytes = lut_prefetch_bytes(target, a8=True)
+        prefetch_bytes = lut_prefetch_bytes(target, a8=True, nibble=True)
     round_x_at_root(sch)
     _tables_at_root(sch, bcq_a8_gemv.BLOCK_LUT)
     name = x86_bcq.intrin_name(int(prefetch_bytes) // 4)

@@ -126,12 +126,16 @@ def _lookups(sch: s_tir.Schedule, desc, intrin_name: str, halves: bool, unroll=0
     return sch
 
 
-def lut_prefetch_bytes(target: tvm.target.Target, a8: bool) -> int:
-    """How far ahead the LUT GEMV prefetches its bit stream (fp32 tables, or int16 with
-    ``a8``): the target's facts (a measured row, else the defaults measured on Zen 5)."""
+def lut_prefetch_bytes(target: tvm.target.Target, a8: bool, nibble: bool = False) -> int:
+    """How far ahead the LUT GEMV prefetches its bit stream (fp32 tables, int16 with ``a8``,
+    the int8 nibble tables with ``nibble``): the target's facts (a measured row, else the
+    defaults measured on Zen 5; the nibble tables take the int16 tables' unless measured:
+    on Zen 5 they stream fastest with none)."""
     from schedules.target_facts import schedule_facts
 
     facts = schedule_facts(target)
+    if nibble and facts.bcq_a8_prefetch_bytes is not None:
+        return int(facts.bcq_a8_prefetch_bytes)
     return int(facts.lut_a8_prefetch_bytes if a8 else facts.lut_prefetch_bytes)
 
 

@@ -244,6 +244,25 @@ def test_zen4_streams_with_a_short_prefetch_into_l2():
     assert tensorized and f"_pf{rows}l2" in tensorized[0]
 
 
+def test_zen5_nibble_tables_stream_without_prefetch():
+    """Zen 5's measured row: the int8 nibble-table BCQ GEMV issues no software prefetch (its
+    own fact), while the int16 tables keep the 4 KiB default; a CPU without a measurement of
+    the nibble kernel (Zen 4) gives it the int16 tables' distance."""
+    from qtvm import bcq_a8_gemv
+    from qtvm.target import parse_target
+    from schedules.x86_bcq import schedule_bcq_a8_gemv_x86
+    from schedules.x86_lut import lut_prefetch_bytes
+
+    zen5, zen4 = parse_target("llvm -mcpu=znver5"), parse_target("llvm -mcpu=znver4")
+    assert (lut_prefetch_bytes(zen5, a8=True), lut_prefetch_bytes(zen5, a8=True, nibble=True)) == (4096, 0)
+    assert lut_prefetch_bytes(zen4, a8=True, nibble=True) == lut_prefetch_bytes(zen4, a8=True) == 2048
+    func = bcq_a8_gemv.bcq_a8_gemv_func(get_format("bcq3-g128"), 1000, 200, NB)
+    trace = lambda t, **kn: [ln for ln in schedule_bcq_a8_gemv_x86(func, t, **kn).trace.as_python()  # noqa: E731
+                             if "tensorize" in ln]
+    assert trace(zen5) == trace(zen5, prefetch_bytes=0) != trace(zen5, prefetch_bytes=4096)
+    assert trace(zen4) == trace(zen4, prefetch_bytes=2048)
+
+
 def _quantized_activations(lib, fmt, x, k, row_tile):
     kp, groups = fmt.padded_k(k), fmt.padded_k(k) // fmt.group_size_for(k)
     mp = -(-x.shape[0] // row_tile) * row_tile
