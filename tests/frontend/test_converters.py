@@ -238,14 +238,17 @@ def test_slice_of_a_table_s_last_seq_columns_records_its_limit(tmp_path, form):
 
 
 def _centred_slice(frames: str, c2: int):
-    """pe[100 - n : c2 + n] of a [199, 2] table, n = seq or seq // 3; y = the window's column
+    """pe[100 - n : c2 + n] of a [199, 2] table, n = seq, seq // 3 or seq % 7 * 20; y = the window's column
     sums + sum(x), rows = the window's shape."""
     table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((199, 2)).astype(np.float32), "pe")
     nodes = _seq_of() + [_const("c1", [100]), _const("c2", [c2]), _const("zero", [0])]
     if frames == "seq":
         nodes.append(helper.make_node("Identity", ["s"], ["n"]))
-    else:
+    elif frames == "seq // 3":
         nodes += [_const("three", [3]), helper.make_node("Div", ["s", "three"], ["n"])]
+    else:  # seq % 7 * 20
+        nodes += [_const("seven", [7]), _const("twenty", [20]), helper.make_node("Mod", ["s", "seven"], ["m"]),
+                  helper.make_node("Mul", ["m", "twenty"], ["n"])]
     nodes += [
         helper.make_node("Sub", ["c1", "n"], ["start"]), helper.make_node("Add", ["c2", "n"], ["end"]),
         helper.make_node("Slice", ["pe", "start", "end", "zero"], ["window"]),
@@ -284,6 +287,14 @@ def test_slice_of_a_table_s_centre_that_may_be_empty_is_refused(tmp_path):
     slice) at seq < 3, so the window rule declines and the unknown sign is named."""
     with pytest.raises(QtvmError, match="Slice bound 100 - seq // 3 may be negative"):
         _compile(tmp_path, _centred_slice("seq // 3", 99))
+
+
+def test_slice_of_a_table_s_centre_with_a_limit_the_runtime_cannot_check_is_refused(tmp_path):
+    """pe[100 - seq % 7 * 20 : 100 + seq % 7 * 20]: the limit on its end would be written in a
+    syntax the runtime cannot evaluate (``%``), so it could not refuse inputs past it; the rule
+    declines and the unknown sign is named."""
+    with pytest.raises(QtvmError, match="may be negative"):
+        _compile(tmp_path, _centred_slice("seq % 7 * 20", 100))
 
 
 def test_slice_of_a_one_column_table_from_max_0_1_minus_seq_needs_no_limit(tmp_path):
