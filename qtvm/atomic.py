@@ -9,6 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
+_UMASK = os.umask(0o022)  # read once (setting it is the only way): per call, a thread creating a file
+os.umask(_UMASK)  # at that moment would get the temporary mask
+
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "wb"):
@@ -17,16 +20,10 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb"):
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # what open() would give (mkstemp's is 0600)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # what open() would give (mkstemp's is 0600)
         with os.fdopen(fd, mode) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

@@ -30,7 +30,6 @@ import onnx
 import tvm_ffi
 from tvm import relax, tirx
 
-from qtvm import dims as dimexpr
 from qtvm.frontend.importer import ImportFailure
 from qtvm.frontend.shapes import BIG, is_symbolic
 
@@ -586,8 +585,8 @@ def _centred_window(imp, start, end, d: int):
     positions, ``n`` frames of the audio). ``start + end`` is a constant C, so ``start >= 0``
     is ``end <= C``: the import assumes ``end <= min(C, d)`` (recorded, refused beyond at run
     time), where the model itself works (a negative start would count from the table's end
-    and give the wrong number of rows). Else None, also where the runtime could not evaluate
-    the end to enforce its limit (``seq % 7``, ``min(...)``: not ``qtvm.dims`` syntax)."""
+    and give the wrong number of rows). Else None, also where the runtime could not check
+    that limit (``Symbols.enforceable``)."""
     if not is_symbolic(start) or not is_symbolic(end):
         return None
     e = imp.sym.expr
@@ -595,7 +594,7 @@ def _centred_window(imp, start, end, d: int):
     count = imp.sym.norm(e(end) - e(start))
     if is_symbolic(total) or not imp.sym.prove(tirx.GE(e(count), e(0))):
         return None
-    if not isinstance(imp.sym.norm(end), tirx.Var) and dimexpr.parse(imp.sym.text(end)) is None:
+    if not imp.sym.enforceable(end):
         return None
     imp.sym.limit(end, min(total, d))
     return imp.sym.norm(start), count

@@ -83,6 +83,13 @@ class Symbols:
                 now = self.analyzer.const_int_bound(v)
                 self.analyzer.update(v, ConstIntBound(now.min_value, min(now.max_value, bound - low)), override=True)
 
+    def enforceable(self, dim) -> bool:
+        """Whether a ``limit`` on ``dim`` is one the runtime can check: its key is a symbol or
+        ``qtvm.dims`` syntax (``seq // 10 + 4998``; not ``seq % 7`` or ``min(...)``), which
+        the runtime evaluates on the input sizes."""
+        dim = self.norm(dim)
+        return isinstance(dim, tirx.Var) or dimexpr.parse(self.text(dim)) is not None
+
     def at_least(self, dim, low: int) -> None:
         """Assume ``dim >= low`` from here on, where the model is only valid so (a convolution's
         output length over ``seq`` is at least 1). Only for a dim that grows with its one symbol
